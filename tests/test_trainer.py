@@ -1,0 +1,194 @@
+"""DPPOTrainer end to end on transformers generation, with a tiny peaked model, SmolLM2's tokenizer and LoRA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from accelerate.utils import is_peft_model
+from peft import LoraConfig
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_dppo import DPPOConfig, DPPOTrainer, dppo_per_token_loss
+from trl_dppo.trainer import MU_BUCKETS
+
+from .conftest import length_reward
+
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+REQUIRED_METRICS = [
+    "trust_region/masked_fraction",
+    "trust_region/masked_fraction_pos_adv",
+    "trust_region/masked_fraction_neg_adv",
+    "mismatch/abs_prob_diff_mean",
+    "mismatch/abs_prob_diff_max",
+    "mismatch/kl_mean",
+]
+
+
+def make_trainer(tmp_path, model_dir, prompts, tokenizer, trainer_cls=DPPOTrainer, config_cls=DPPOConfig, **overrides):
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        report_to="none",
+        bf16=False,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=10,
+        max_steps=2,
+        logging_steps=1,
+        learning_rate=1e-3,
+        save_strategy="no",
+        seed=0,
+    )
+    settings.update(overrides)
+    return trainer_cls(
+        model=model_dir,
+        reward_funcs=length_reward,
+        args=config_cls(**settings),
+        train_dataset=prompts,
+        processing_class=tokenizer,
+        peft_config=LoraConfig(**LORA),
+    )
+
+
+def spy_on_trust_region(trainer):
+    """Record (mu, pi, loss mask) of every loss computation."""
+    seen = []
+    original = trainer._set_trust_region_advantages
+
+    def spy(inputs, trainer_logps, hidden):
+        mask = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).bool()
+        seen.append((inputs["sampling_per_token_logps"].clone(), trainer_logps.clone(), mask, dict(inputs)))
+        return original(inputs, trainer_logps, hidden)
+
+    trainer._set_trust_region_advantages = spy
+    return seen
+
+
+class PolicyForwardCounter:
+    """Counts no-grad forward passes of the trained policy through the fused LM head (scoring, not generation)."""
+
+    def __init__(self, trainer):
+        self.count = 0
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        self.peft_model = model if is_peft_model(model) else None
+        causal_lm = model.get_base_model() if self.peft_model is not None else model
+        causal_lm.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        adapters_on = self.peft_model is None or not self.peft_model._adapters_disabled
+        if kwargs.get("fused_lm_head") and not torch.is_grad_enabled() and adapters_on:
+            self.count += 1
+
+
+def test_recorded_mu_is_the_samplers_own_probability_token_by_token(tmp_path, tiny_model_dir, prompts, tokenizer):
+    """At learning rate 0 the trainer's pi equals the recorded mu within 1e-3 at every completion token."""
+    trainer = make_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, learning_rate=0.0, temperature=0.7)
+    seen = spy_on_trust_region(trainer)
+    trainer.train()
+    assert seen
+    for mu, pi, mask, _ in seen:
+        assert mask.any()
+        gap = (mu - pi).abs()[mask]
+        assert gap.max() < 1e-3, gap.max()
+        # The test can see misalignment: the peaked model's mu shifted by one token is far from pi
+        shifted = (mu[:, 1:] - pi[:, :-1]).abs()[mask[:, 1:] & mask[:, :-1]]
+        assert shifted.max() > 0.1
+
+
+def test_trains_with_lora_and_logs_the_trust_region_metrics(tmp_path, tiny_model_dir, prompts, tokenizer):
+    trainer = make_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, max_steps=3)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    after = dict(trainer.model.named_parameters())
+    assert any(not torch.equal(before[n], after[n]) for n in before), "LoRA weights did not move"
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 3
+    for entry in logs:
+        for key in REQUIRED_METRICS + [f"tokens_by_mu/{b}/total" for b in MU_BUCKETS]:
+            assert key in entry and math.isfinite(entry[key]), key
+        assert 0.0 <= entry["trust_region/masked_fraction"] <= 1.0
+        assert entry["mismatch/missing_sampler_logps"] == 0
+
+
+def test_no_old_logprob_recomputation_where_grpo_runs_one(tmp_path, tiny_model_dir, prompts, tokenizer):
+    """steps_per_generation=2 with gradient_accumulation_steps=1: GRPOTrainer recomputes old log-probs, DPPO never."""
+    settings = dict(steps_per_generation=2, gradient_accumulation_steps=1, max_steps=2, beta=0.04)
+    grpo = make_trainer(tmp_path / "grpo", tiny_model_dir, prompts, tokenizer, GRPOTrainer, GRPOConfig, **settings)
+    grpo_counter = PolicyForwardCounter(grpo)
+    grpo.train()
+    assert grpo_counter.count >= 1  # the counter sees a recomputation pass when there is one
+
+    dppo = make_trainer(tmp_path / "dppo", tiny_model_dir, prompts, tokenizer, **settings)
+    dppo_counter = PolicyForwardCounter(dppo)
+    dppo.train()
+    assert dppo_counter.count == 0
+    # beta > 0 still runs the reference pass (through the disabled adapters) and logs GRPO's KL
+    assert all("kl" in entry for entry in dppo.state.log_history if "loss" in entry)
+
+
+def test_gradient_is_mask_times_capped_ratio_times_advantage(tmp_path, tiny_model_dir, prompts, tokenizer):
+    """The loss's gradient is that of -sum M_t min(r_t, C) A_t / n_tokens (bnpo), with mu perturbed off pi."""
+    trainer = make_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, loss_type="bnpo", ratio_cap=3.0)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions([prompts[0]] * 4 + [prompts[1]] * 4)
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    length = batch["completion_ids"].size(1)
+    with torch.no_grad():
+        pi, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, length)
+    generator = torch.Generator().manual_seed(0)
+    shift = torch.empty_like(pi).uniform_(-3.0, 3.0, generator=generator)
+    batch["sampling_per_token_logps"] = (pi + shift).clamp(max=0.0)
+    batch["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 1.5, -1.5])
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+
+    trainer.model.zero_grad()
+    trainer.compute_loss(trainer.model, batch).backward()
+    dppo_grads = [p.grad.clone() for p in params]
+
+    trainer.model.zero_grad()
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, length)
+    mu, mask = batch["sampling_per_token_logps"], batch["completion_mask"].bool()
+    per_token = dppo_per_token_loss(logps, mu, batch["advantages"][:, None], 0.15, 0.15, "tv", ratio_cap=3.0)
+    ((per_token * mask).sum() / mask.sum()).backward()
+    for got, want in zip(dppo_grads, (p.grad for p in params)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    # the perturbation exercised both the mask and the cap
+    weights = -per_token.detach()
+    ratio = (pi - mu).exp()
+    assert ((weights == 0) & mask & (batch["advantages"][:, None] != 0)).any()
+    assert ((ratio > 3.0) & (weights != 0) & mask).any()
+    assert trainer.args.delta == 0.15  # GRPO's two-sided clip was hidden only during the loss
+
+
+def test_missing_sampler_logprobs_leave_the_loss_and_are_counted(tmp_path, tiny_model_dir, prompts, tokenizer):
+    trainer = make_trainer(tmp_path, tiny_model_dir, prompts, tokenizer)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions([prompts[0]] * 4 + [prompts[1]] * 4)
+    batch["sampling_per_token_logps"][:, :3] = float("nan")
+    batch["advantages"] = torch.tensor([1.0, -1.0] * 4)
+    loss = trainer.compute_loss(trainer.model, batch)
+    assert torch.isfinite(loss)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in trainer.model.parameters() if p.grad is not None)
+    assert trainer._metrics["train"]["mismatch/missing_sampler_logps"][-1] == 3 * 8
+    assert "tool_mask" not in batch  # the caller's batch is left as it was
+
+
+def test_checkpoint_saves_and_training_resumes(tmp_path, tiny_model_dir, prompts, tokenizer):
+    first = make_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, save_strategy="steps", save_steps=2)
+    first.train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (checkpoint / "adapter_model.safetensors").exists()
+    resumed = make_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, max_steps=3)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 3
+    assert resumed.args.divergence == "binary_tv"
+
+
+def test_needs_a_dppo_config(tmp_path, tiny_model_dir, prompts, tokenizer):
+    with pytest.raises(TypeError, match="DPPOConfig"):
+        make_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, config_cls=GRPOConfig)

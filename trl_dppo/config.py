@@ -1,0 +1,142 @@
+"""`DPPOConfig`: GRPOConfig plus the divergence trust region, with GRPO options that contradict DPPO switched off."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+__all__ = ["DPPOConfig", "DIVERGENCES", "DEFAULT_DELTA"]
+
+DIVERGENCES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl")
+# The paper's stability-test thresholds; its large runs used 0.2 for TV.
+DEFAULT_DELTA = {"tv": 0.15, "kl": 0.05}
+# Loss types whose only role is normalisation: GRPOTrainer's `cispo`, `sapo` and `vespo` are trust regions of their own.
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+@dataclass
+class DPPOConfig(GRPOConfig):
+    r"""
+    Configuration for [`DPPOTrainer`]: everything [`~trl.GRPOConfig`] holds, plus DPPO's trust region.
+
+    DPPO replaces PPO's ratio clip by a mask on an estimate D_t of the divergence between the sampler's next-token
+    distribution (mu, recorded at generation) and the trainer's (pi): a token loses its gradient only when
+    D_t > delta and the update moves further from mu. Its per-token gradient is M_t * min(pi/mu, C) * A * grad log pi.
+
+    Parameters:
+        divergence (`str`, defaults to `"binary_tv"`):
+            Estimate of D_t: `binary_tv` (|mu - pi| of the sampled token), `binary_kl` (KL of the two coin flips
+            "sampled token or not"), `topk_tv` / `topk_kl` (over the sampler's `topk` most likely tokens plus the
+            sampled one, the rest in one bucket).
+        delta (`float`, *optional*):
+            Divergence threshold. Defaults to 0.15 for TV and 0.05 for KL (the paper's stability settings; its large
+            runs used 0.2 TV). Not GRPOConfig's two-sided clipping bound of the same name.
+        delta_low (`float`, *optional*):
+            Threshold for tokens with negative advantage; defaults to `delta`.
+        delta_high (`float`, *optional*):
+            Threshold for tokens with positive advantage; defaults to `delta`.
+        topk (`int`, defaults to `20`):
+            K of the top-K divergence.
+        ratio_cap (`float` or `None`, defaults to `10.0`):
+            Cap C on the importance ratio pi/mu in the gradient weight; `None` disables it.
+
+    GRPOConfig options that contradict DPPO are off by default here and rejected when set: vLLM's importance-sampling
+    correction (it recomputes old log-probabilities, which DPPO does without), sequence-level importance sampling, the
+    loss types that are trust regions of their own (`cispo`, `sapo`, `vespo`), the off-policy sequence mask, and transformers' continuous-batching generation (it records no per-token
+    log-probabilities). PPO's `epsilon` is not read by DPPO.
+    """
+
+    divergence: str = field(
+        default="binary_tv",
+        metadata={
+            "help": "Divergence estimate for the trust region: 'binary_tv' (default), 'binary_kl', 'topk_tv' or "
+            "'topk_kl'. Top-K also sees the head of the distribution move, at the cost of recording K log-probs per "
+            "token; the paper found binary as good in its runs.",
+            "choices": list(DIVERGENCES),
+        },
+    )
+    delta: float | None = field(
+        default=None,
+        metadata={
+            "help": "Divergence threshold delta. Defaults to 0.15 for TV and 0.05 for KL (the paper's stability "
+            "settings; 0.2 TV in its large runs). Lower it for a tighter trust region."
+        },
+    )
+    delta_low: float | None = field(
+        default=None,
+        metadata={"help": "Threshold for negative-advantage tokens (moves down). Defaults to `delta`."},
+    )
+    delta_high: float | None = field(
+        default=None,
+        metadata={"help": "Threshold for positive-advantage tokens (moves up). Defaults to `delta`."},
+    )
+    topk: int = field(
+        default=20,
+        metadata={"help": "K of the top-K divergence (the paper uses 20). Only read when `divergence` is topk_*."},
+    )
+    ratio_cap: float | None = field(
+        default=10.0,
+        metadata={
+            "help": "Cap C on the importance ratio pi/mu in the gradient weight M * min(pi/mu, C) * A, as in the "
+            "authors' reference code. Set None to disable."
+        },
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=False,
+        metadata={
+            "help": "Must stay False: DPPO measures its trust region against the sampler's own log-probabilities, "
+            "so GRPO's recomputation pass and importance-sampling correction are not needed."
+        },
+    )
+
+    def __post_init__(self):
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}.")
+        kind = self.divergence.split("_")[1]
+        if self.delta is None:
+            self.delta = DEFAULT_DELTA[kind]
+        self.delta_low = self.delta if self.delta_low is None else self.delta_low
+        self.delta_high = self.delta if self.delta_high is None else self.delta_high
+        for name in ("delta", "delta_low", "delta_high"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}.")
+            if kind == "tv" and value >= 1:
+                raise ValueError(
+                    f"{name}={value} never masks anything: total variation lies in [0, 1]. Use a threshold below 1 "
+                    "(the paper uses 0.15-0.2)."
+                )
+        if self.divergence.startswith("topk") and not (isinstance(self.topk, int) and self.topk >= 1):
+            raise ValueError(f"topk must be a positive integer, got {self.topk!r}.")
+        if self.ratio_cap is not None and not self.ratio_cap >= 1:
+            raise ValueError(f"ratio_cap must be >= 1 or None (no cap), got {self.ratio_cap}.")
+
+        if self.vllm_importance_sampling_correction:
+            raise ValueError(
+                "vllm_importance_sampling_correction=True recomputes old log-probabilities and reweights by "
+                "pi_old/mu; DPPO anchors its trust region to the sampler's log-probabilities directly. Set "
+                "vllm_importance_sampling_correction=False."
+            )
+        if self.importance_sampling_level != "token":
+            raise ValueError(
+                f"importance_sampling_level={self.importance_sampling_level!r} is not supported: DPPO's mask and "
+                "ratio are per token. Set importance_sampling_level='token'."
+            )
+        if self.loss_type not in SUPPORTED_LOSS_TYPES:
+            raise ValueError(
+                f"loss_type={self.loss_type!r} is a trust region of its own and cannot be combined with DPPO's. Use "
+                f"one of {SUPPORTED_LOSS_TYPES}, which only choose how the loss is normalised (default 'dapo')."
+            )
+        if self.off_policy_mask_threshold is not None:
+            raise ValueError(
+                "off_policy_mask_threshold (GRPO's off-policy sequence mask) is a second trust region on top of "
+                "DPPO's mask. Set off_policy_mask_threshold=None."
+            )
+        if self.use_transformers_continuous_batching or self.use_transformers_paged:
+            raise ValueError(
+                "Continuous-batching generation in transformers records no per-token log-probabilities, which DPPO "
+                "needs as mu. Set use_transformers_continuous_batching=False (and use_transformers_paged=False), or "
+                "use_vllm=True."
+            )
+        super().__post_init__()

@@ -1,0 +1,82 @@
+"""The trainer's log-probabilities at the sampler's kept set, from the hidden states of the loss's own forward pass.
+
+GRPOTrainer scores completions through a fused LM head that never materialises the `(B, T, V)` logits: it returns
+log pi(y_t) of each sampled token. The top-K divergence also needs log pi at the sampler's K most likely tokens.
+With z = W h + b the LM head's logits and T the temperature,
+
+    log pi(k) = log pi(y) + (z_k - z_y) / T,
+
+so K + 1 dot products per position, on the hidden state the forward pass already computed, give them exactly: no
+second forward pass and no full-vocabulary tensor. Models whose logits are not `W h + b` (logit scaling or
+softcapping) are rejected by `check_topk_support`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["check_topk_support", "topk_logps_from_hidden"]
+
+# Per chunk, the gathered LM-head rows take positions x (K + 2) x hidden x 4 bytes; this bounds that transient.
+_CHUNK_BYTES = 4 * 2**20
+
+
+def check_topk_support(causal_lm: torch.nn.Module) -> None:
+    """Raise if the model's logits are not `lm_head(h)` alone, or if the LM head carries an adapter."""
+    config = causal_lm.config.get_text_config()
+    for name in ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
+        value = getattr(config, name, None)
+        if value is not None and value != 1.0:
+            raise ValueError(
+                f"The top-K divergence needs logits equal to lm_head(hidden), but this model's config sets "
+                f"{name}={value}. Use divergence='binary_tv' or 'binary_kl'."
+            )
+    head = causal_lm.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(
+            "The top-K divergence reads the LM head's weight directly, but the LM head is "
+            f"{type(head).__name__} (an adapter on lm_head?). Remove lm_head from the adapter's target modules, or "
+            "use a binary divergence."
+        )
+
+
+@torch.no_grad()
+def topk_logps_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    sampled_ids: torch.Tensor,
+    sampled_logps: torch.Tensor,
+    kept_ids: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """log pi at the kept ids, `(B, T, K')`, float32; `-inf` in empty slots (id < 0).
+
+    Args:
+        hidden: `(B, T, H)` hidden states that predict each completion token.
+        weight, bias: the LM head (`(V, H)`, `(V,)` or None).
+        sampled_ids: `(B, T)` the sampled tokens.
+        sampled_logps: `(B, T)` log pi of the sampled tokens from the same forward pass.
+        kept_ids: `(B, T, K')` token ids, -1 for an empty slot.
+        temperature: the temperature the trainer divides its logits by.
+    """
+    B, T, H = hidden.shape
+    k = kept_ids.size(-1)
+    flat_hidden = hidden.reshape(-1, H)
+    flat_sampled = sampled_ids.reshape(-1)
+    flat_kept = kept_ids.reshape(-1, k)
+    flat_logps = sampled_logps.reshape(-1).float()
+    out = torch.empty(flat_kept.shape, dtype=torch.float32, device=hidden.device)
+    chunk = max(1, _CHUNK_BYTES // ((k + 1) * H * 4))
+    for start in range(0, flat_hidden.size(0), chunk):
+        end = min(start + chunk, flat_hidden.size(0))
+        ids = torch.cat([flat_sampled[start:end, None], flat_kept[start:end].clamp_min(0)], dim=-1)  # (n, K' + 1)
+        rows = weight[ids].float()  # (n, K' + 1, H)
+        z = torch.einsum("nh,nkh->nk", flat_hidden[start:end].float(), rows)
+        if bias is not None:
+            z = z + bias[ids].float()
+        out[start:end] = flat_logps[start:end, None] + (z[:, 1:] - z[:, :1]) / temperature
+    out.masked_fill_(flat_kept < 0, -math.inf)
+    return out.view(B, T, k)
