@@ -20,7 +20,7 @@ def tokenizer():
     return smollm2_tokenizer()
 
 
-def build_tiny_model(tokenizer, seed: int = 0, head_scale: float = 30.0) -> LlamaForCausalLM:
+def build_tiny_model(tokenizer, seed: int = 0, head_scale: float = 30.0, hidden_size: int = 32) -> LlamaForCausalLM:
     """A 2-layer Llama over SmolLM2's vocabulary.
 
     A random model spreads probability almost evenly over 49k tokens, so |pi - mu| would be tiny even for a
@@ -28,8 +28,8 @@ def build_tiny_model(tokenizer, seed: int = 0, head_scale: float = 30.0) -> Llam
     """
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
