@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .losses import TRUST_REGIONS
+
 __all__ = ["DPPOConfig", "DIVERGENCES", "DEFAULT_DELTA"]
 
 DIVERGENCES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl")
@@ -25,6 +27,14 @@ class DPPOConfig(GRPOConfig):
     D_t > delta and the update moves further from mu. Its per-token gradient is M_t * min(pi/mu, C) * A * grad log pi.
 
     Parameters:
+        trust_region (`str`, defaults to `"dppo"`):
+            The trust region, for ablations along the paper's ladder: `dppo`, `drpo` (DRPO's smooth regulariser with
+            DPPO's binary-TV boundary), `mask_drpo` (DPPO inside the trust region, DRPO outside), `grpo` (PPO's ratio
+            clip at mu with `epsilon` / `epsilon_high`), `minirl` (the same clip at a recomputed anchor: the one mode
+            that recomputes), `pg_is` (no trust region), `cispo` (ratio truncated at `ratio_cap`), `negative_mask`
+            (the paper's RQ3 mask: only large negative updates blocked). See `trl_dppo/losses.py` for the equations.
+        negative_mask_threshold (`float`, defaults to `0.5`):
+            Probability drop mu - pi at which `negative_mask` blocks a negative-advantage token.
         divergence (`str`, defaults to `"binary_tv"`):
             Estimate of D_t: `binary_tv` (|mu - pi| of the sampled token), `binary_kl` (KL of the two coin flips
             "sampled token or not"), `topk_tv` / `topk_kl` (over the sampler's `topk` most likely tokens plus the
@@ -47,6 +57,18 @@ class DPPOConfig(GRPOConfig):
     log-probabilities). PPO's `epsilon` is not read by DPPO.
     """
 
+    trust_region: str = field(
+        default="dppo",
+        metadata={
+            "help": "Trust region: 'dppo' (default), or for ablations 'drpo', 'mask_drpo', 'grpo', 'minirl', "
+            "'pg_is', 'cispo', 'negative_mask' (the paper's ladder; equations in trl_dppo/losses.py).",
+            "choices": list(TRUST_REGIONS),
+        },
+    )
+    negative_mask_threshold: float = field(
+        default=0.5,
+        metadata={"help": "Drop mu - pi at which trust_region='negative_mask' blocks a token (the paper's RQ3: 0.5)."},
+    )
     divergence: str = field(
         default="binary_tv",
         metadata={
@@ -91,6 +113,15 @@ class DPPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        if self.trust_region not in TRUST_REGIONS:
+            raise ValueError(f"trust_region must be one of {TRUST_REGIONS}, got {self.trust_region!r}.")
+        if self.trust_region in ("drpo", "mask_drpo") and self.divergence != "binary_tv":
+            raise ValueError(
+                f"trust_region={self.trust_region!r} regularises toward DPPO's binary-TV boundary |pi - mu| <= delta; "
+                f"set divergence='binary_tv' (got {self.divergence!r})."
+            )
+        if not 0 < self.negative_mask_threshold <= 1:
+            raise ValueError(f"negative_mask_threshold must be in (0, 1], got {self.negative_mask_threshold}.")
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}.")
         kind = self.divergence.split("_")[1]

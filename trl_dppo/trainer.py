@@ -22,17 +22,21 @@ GRPOTrainer behaviour each relies on.
 from __future__ import annotations
 
 import functools
+import json
+import os
+from collections import Counter
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 from accelerate.utils import is_peft_model
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from .config import DPPOConfig
 from .divergence import binary_divergence, topk_divergence, trust_region_mask
-from .losses import dppo_gradient_weights
+from .losses import ratio_clip_keep, trust_region_weights
 from .rollout import (
     SamplerLogprobRecorder,
     kept_set_tensors,
@@ -64,6 +68,25 @@ def _without_grpo_two_sided_clip(args: DPPOConfig):
         args.delta = delta
 
 
+class _MaskedTokensWriter(TrainerCallback):
+    """Writes `masked_tokens.json` (the most often masked tokens per advantage sign) at each save and at the end."""
+
+    def __init__(self, trainer: "DPPOTrainer"):
+        self.trainer = trainer
+
+    def _write(self, args, state) -> None:
+        if state.is_world_process_zero and args.output_dir:
+            os.makedirs(args.output_dir, exist_ok=True)
+            with open(os.path.join(args.output_dir, "masked_tokens.json"), "w") as f:
+                json.dump(self.trainer.masked_tokens_report(), f, indent=1)
+
+    def on_save(self, args, state, control, **kwargs):
+        self._write(args, state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._write(args, state)
+
+
 class DPPOTrainer(GRPOTrainer):
     """Divergence Proximal Policy Optimization on top of TRL's [`~trl.GRPOTrainer`].
 
@@ -90,6 +113,8 @@ class DPPOTrainer(GRPOTrainer):
         self._loss_inputs: dict[str, Any] | None = None  # set while a loss is computed
         self._scoring = False  # set while a generation batch is scored
         self._rollout_logprobs: list | None = None
+        self.masked_token_counts = {"positive": Counter(), "negative": Counter()}
+        self.add_callback(_MaskedTokensWriter(self))
         if self.use_vllm:
             self._wrap_vllm_backend()
 
@@ -157,7 +182,7 @@ class DPPOTrainer(GRPOTrainer):
         return True
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        if self._scoring and self._is_policy(model):
+        if self._scoring and self.args.trust_region != "minirl" and self._is_policy(model):
             # GRPOTrainer's recomputation of old log-probabilities; DPPO's anchor is the sampler's record instead
             return None, None, None
         if self._loss_inputs is None:
@@ -192,6 +217,8 @@ class DPPOTrainer(GRPOTrainer):
         if missing.any():  # `tool_mask` only masks the loss, so this takes the tokens out without touching attention
             inputs["tool_mask"] = inputs.get("tool_mask", torch.ones_like(mask)) * (~missing).long()
         self._missing_sampler_logps = missing.sum()
+        # Only minirl has them (recomputed pi_old, its anchor); GRPOTrainer's loss must see none, so its ratio is 1
+        self._anchor_logps = inputs.pop("old_per_token_logps", None)
         self._loss_inputs = inputs
         try:
             with _without_grpo_two_sided_clip(self.args):
@@ -225,63 +252,97 @@ class DPPOTrainer(GRPOTrainer):
             divergence = topk_divergence(sampler_kept, trainer_kept, self.kind)
         else:
             divergence = binary_divergence(sampler_logps, trainer_logps, self.kind)
-        keep = trust_region_mask(
+        weights, keep = trust_region_weights(
+            self.args.trust_region,
+            trainer_logps,
+            sampler_logps,
+            advantages,
+            divergence,
+            self.args.delta_low,
+            self.args.delta_high,
+            ratio_cap=self.args.ratio_cap,
+            eps_low=self.epsilon_low,
+            eps_high=self.epsilon_high,
+            anchor_logps=trainer_logps if self._anchor_logps is None else self._anchor_logps,
+            negative_threshold=self.args.negative_mask_threshold,
+        )
+        inputs["advantages"] = weights * mask
+        # DPPO's own mask, whatever the trust region: the diagnostics compare it with PPO's clip
+        dppo_keep = trust_region_mask(
             divergence, sampler_logps, trainer_logps, advantages, self.args.delta_low, self.args.delta_high
         )
-        weights = dppo_gradient_weights(trainer_logps, sampler_logps, advantages, keep, self.args.ratio_cap)
-        inputs["advantages"] = weights * mask
-        self._log_trust_region(mask, keep, advantages, sampler_logps, trainer_logps)
+        self._log_trust_region(inputs, mask, keep, dppo_keep, advantages, sampler_logps, trainer_logps)
 
-    def _log_trust_region(self, mask, keep, advantages, sampler_logps, trainer_logps) -> None:
+    def _log_trust_region(self, inputs, mask, keep, dppo_keep, advantages, sampler_logps, trainer_logps) -> None:
+        """Gather the trust-region, mismatch and diagnostic metrics over processes and record them for logging."""
         mode = "train" if self.model.training else "eval"
         advantages = advantages.expand_as(mask)
-        masked = (~keep & mask).float()
+        masked = ~keep & mask
+        for sign, side in (("positive", advantages > 0), ("negative", advantages < 0)):
+            self.masked_token_counts[sign].update(inputs["completion_ids"][masked & side].tolist())
         pos, neg = (advantages > 0) & mask, (advantages < 0) & mask
-        prob_diff = (trainer_logps.exp() - sampler_logps.exp()).abs()
+        mu, pi = sampler_logps.exp(), trainer_logps.exp()
+        prob_diff = (pi - mu).abs()
         log_ratio = trainer_logps - sampler_logps
         # k3 estimator r - 1 - log r of KL(mu || pi) on tokens drawn from mu: unbiased and never negative
         kl = torch.expm1(log_ratio) - log_ratio
+        ppo_clipped = ~ratio_clip_keep(log_ratio.exp(), advantages, self.epsilon_low, self.epsilon_high)
+        # The paper's "bad updates" (RQ3): negative advantage and a drop of the sampled token's probability >= 0.5
+        bad = (advantages < 0) & (mu - pi >= 0.5) & mask
         sums = torch.stack(
             [
                 masked.sum(),
                 mask.sum(),
-                (masked * pos).sum(),
+                (masked & pos).sum(),
                 pos.sum(),
-                (masked * neg).sum(),
+                (masked & neg).sum(),
                 neg.sum(),
                 (prob_diff * mask).sum(),
                 (kl * mask).sum(),
-                self._missing_sampler_logps.float(),
+                self._missing_sampler_logps,
+                bad.sum(),
+                (bad & ppo_clipped).sum(),
+                (bad & ~dppo_keep).sum(),
             ]
         ).float()
-        # Where DPPO's mask and PPO's ratio clip (at this config's epsilon) act, by the sampler's probability
-        ppo_clipped = ((advantages > 0) & (log_ratio.exp() > 1 + self.epsilon_high)) | (
-            (advantages < 0) & (log_ratio.exp() < 1 - self.epsilon_low)
-        )
-        bucket = torch.bucketize(sampler_logps.exp(), torch.tensor(MU_BUCKET_EDGES, device=mask.device), right=True)
+        # Where the mask and PPO's ratio clip (at this config's epsilon) act, by the sampler's probability
+        bucket = torch.bucketize(mu, torch.tensor(MU_BUCKET_EDGES, device=mask.device), right=True)
         by_bucket = torch.stack(
             [
-                torch.stack([in_b.sum(), (in_b & ~keep).sum(), (in_b & ppo_clipped).sum()])
+                torch.stack([in_b.sum(), (in_b & masked).sum(), (in_b & ppo_clipped).sum()])
                 for in_b in ((bucket == b) & mask for b in range(len(MU_BUCKETS)))
             ]
         ).float()
         stats = self.accelerator.reduce(torch.cat([sums, by_bucket.flatten()]), reduction="sum")
-        sums, by_bucket = stats[: sums.numel()], stats[sums.numel() :].view_as(by_bucket)
+        sums, by_bucket = stats[: sums.numel()].tolist(), stats[sums.numel() :].view_as(by_bucket).tolist()
         local_max = prob_diff[mask].max() if mask.any() else prob_diff.new_zeros(())
-        global_max = self.accelerator.gather(local_max.reshape(1)).max()
+        global_max = self.accelerator.gather(local_max.reshape(1)).max().item()
 
-        def fraction(num, den):
-            return (num / den.clamp(min=1.0)).item()
+        def fraction(num: float, den: float) -> float:
+            return num / max(den, 1.0)
 
         metrics = self._metrics[mode]
         metrics["trust_region/masked_fraction"].append(fraction(sums[0], sums[1]))
         metrics["trust_region/masked_fraction_pos_adv"].append(fraction(sums[2], sums[3]))
         metrics["trust_region/masked_fraction_neg_adv"].append(fraction(sums[4], sums[5]))
         metrics["mismatch/abs_prob_diff_mean"].append(fraction(sums[6], sums[1]))
-        metrics["mismatch/abs_prob_diff_max"].append(global_max.item())
+        metrics["mismatch/abs_prob_diff_max"].append(global_max)
         metrics["mismatch/kl_mean"].append(fraction(sums[7], sums[1]))
-        metrics["mismatch/missing_sampler_logps"].append(sums[8].item())
-        for label, (total, masked_count, clipped_count) in zip(MU_BUCKETS, by_bucket.tolist()):
+        metrics["mismatch/missing_sampler_logps"].append(sums[8])
+        metrics["diagnostics/bad_update_fraction"].append(fraction(sums[9], sums[1]))
+        metrics["diagnostics/bad_updates_blocked_by_ppo_clip"].append(fraction(sums[10], sums[9]))
+        metrics["diagnostics/bad_updates_blocked_by_dppo_mask"].append(fraction(sums[11], sums[9]))
+        for label, (total, masked_count, clipped_count) in zip(MU_BUCKETS, by_bucket):
             metrics[f"tokens_by_mu/{label}/total"].append(total)
             metrics[f"tokens_by_mu/{label}/masked"].append(masked_count)
             metrics[f"tokens_by_mu/{label}/ppo_clipped"].append(clipped_count)
+
+    def masked_tokens_report(self, top: int = 20) -> dict[str, list[dict]]:
+        """The tokens the trust region masked most often on this process, decoded, per advantage sign."""
+        return {
+            sign: [
+                {"token": self.processing_class.decode([token_id]), "id": token_id, "count": count}
+                for token_id, count in counter.most_common(top)
+            ]
+            for sign, counter in self.masked_token_counts.items()
+        }

