@@ -39,7 +39,8 @@ def binary_divergence(sampler_logps: torch.Tensor, trainer_logps: torch.Tensor, 
         float32 tensor of the broadcast shape. A lower bound of the full-vocabulary divergence.
     """
     _check_kind(kind)
-    log_mu, log_pi = sampler_logps.double(), trainer_logps.double()
+    # A log-probability a hair above 0 (rounding) would make 1 - p negative
+    log_mu, log_pi = sampler_logps.double().clamp(max=0.0), trainer_logps.double().clamp(max=0.0)
     mu, pi = log_mu.exp(), log_pi.exp()
     if kind == "tv":
         return (mu - pi).abs().float()

@@ -1,0 +1,197 @@
+"""Specification of `DPPOConfig`: GRPOConfig plus DPPO's trust region, with contradicting GRPO options rejected."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from transformers import HfArgumentParser
+from trl import GRPOConfig
+
+from trl_dppo import DPPOConfig
+
+DPPO_FIELDS = (
+    "divergence",
+    "delta",
+    "delta_low",
+    "delta_high",
+    "topk",
+    "ratio_cap",
+    "vllm_importance_sampling_correction",
+    "loss_type",
+    "importance_sampling_level",
+    "off_policy_mask_threshold",
+)
+
+
+@pytest.fixture
+def make_config(tmp_path):
+    def make(**kwargs) -> DPPOConfig:
+        return DPPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, **kwargs)
+
+    return make
+
+
+# --- Defaults -----------------------------------------------------------------------------------------------------
+
+
+def test_defaults(make_config):
+    config = make_config()
+    assert config.divergence == "binary_tv"
+    assert config.delta == config.delta_low == config.delta_high == 0.15
+    assert config.topk == 20
+    assert config.ratio_cap == 10.0
+    assert config.vllm_importance_sampling_correction is False
+    assert config.loss_type == "dapo" == GRPOConfig.loss_type
+    assert config.importance_sampling_level == "token"
+
+
+@pytest.mark.parametrize(
+    ("divergence", "delta"), [("binary_tv", 0.15), ("topk_tv", 0.15), ("binary_kl", 0.05), ("topk_kl", 0.05)]
+)
+def test_default_delta_is_015_for_tv_and_005_for_kl(make_config, divergence, delta):
+    config = make_config(divergence=divergence)
+    assert config.delta == config.delta_low == config.delta_high == delta
+
+
+def test_delta_low_and_delta_high_default_to_delta(make_config):
+    config = make_config(delta=0.3)
+    assert config.delta_low == config.delta_high == 0.3
+
+
+def test_delta_low_and_delta_high_can_be_set_apart(make_config):
+    config = make_config(delta=0.2, delta_low=0.1, delta_high=0.25)
+    assert (config.delta, config.delta_low, config.delta_high) == (0.2, 0.1, 0.25)
+    config = make_config(delta_high=0.3)
+    assert (config.delta, config.delta_low, config.delta_high) == (0.15, 0.15, 0.3)
+
+
+@pytest.mark.parametrize("epsilon", [0.05, 0.2, 0.3])
+@pytest.mark.parametrize(("divergence", "delta"), [("binary_tv", 0.15), ("binary_kl", 0.05)])
+def test_epsilon_is_never_copied_into_delta(make_config, epsilon, divergence, delta):
+    config = make_config(divergence=divergence, epsilon=epsilon, epsilon_high=epsilon + 0.08)
+    assert config.delta == config.delta_low == config.delta_high == delta
+
+
+def test_ratio_cap_none_disables_the_cap(make_config):
+    assert make_config(ratio_cap=None).ratio_cap is None
+    assert make_config(ratio_cap=1.0).ratio_cap == 1.0
+
+
+def test_kl_thresholds_may_exceed_one(make_config):
+    """Only total variation is bounded by 1."""
+    assert make_config(divergence="binary_kl", delta=2.0).delta == 2.0
+
+
+def test_topk_is_not_validated_for_binary_divergences(make_config):
+    assert make_config(divergence="binary_tv", topk=0).topk == 0
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
+def test_normalisation_only_loss_types_are_accepted(make_config, loss_type):
+    assert make_config(loss_type=loss_type).loss_type == loss_type
+
+
+# --- Errors -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("divergence", ["tv", "full_kl", "binary_js", ""])
+def test_unknown_divergence_is_rejected_with_the_valid_choices(make_config, divergence):
+    with pytest.raises(ValueError, match=r"divergence must be one of .*binary_tv.*topk_kl"):
+        make_config(divergence=divergence)
+
+
+@pytest.mark.parametrize("field", ["delta", "delta_low", "delta_high"])
+@pytest.mark.parametrize("value", [0.0, -0.1, float("nan")])
+@pytest.mark.parametrize("divergence", ["binary_tv", "topk_kl"])
+def test_non_positive_threshold_is_rejected(make_config, field, value, divergence):
+    with pytest.raises(ValueError, match=rf"{field} must be > 0"):
+        make_config(divergence=divergence, **{field: value})
+
+
+@pytest.mark.parametrize("field", ["delta", "delta_low", "delta_high"])
+@pytest.mark.parametrize("value", [1.0, 1.5])
+@pytest.mark.parametrize("divergence", ["binary_tv", "topk_tv"])
+def test_tv_threshold_of_one_or_more_is_rejected(make_config, field, value, divergence):
+    with pytest.raises(ValueError, match=rf"{field}={value} never masks anything.*below 1"):
+        make_config(divergence=divergence, **{field: value})
+
+
+@pytest.mark.parametrize("topk", [0, -3])
+@pytest.mark.parametrize("divergence", ["topk_tv", "topk_kl"])
+def test_topk_below_one_is_rejected_for_topk_divergences(make_config, topk, divergence):
+    with pytest.raises(ValueError, match="topk must be a positive integer"):
+        make_config(divergence=divergence, topk=topk)
+
+
+@pytest.mark.parametrize("ratio_cap", [0.5, 0.0, -1.0])
+def test_ratio_cap_below_one_is_rejected(make_config, ratio_cap):
+    with pytest.raises(ValueError, match=r"ratio_cap must be >= 1 or None"):
+        make_config(ratio_cap=ratio_cap)
+
+
+def test_vllm_importance_sampling_correction_is_rejected(make_config):
+    with pytest.raises(ValueError, match="Set vllm_importance_sampling_correction=False"):
+        make_config(vllm_importance_sampling_correction=True)
+
+
+@pytest.mark.parametrize("level", ["sequence", "sequence_token"])
+def test_sequence_level_importance_sampling_is_rejected(make_config, level):
+    with pytest.raises(ValueError, match="importance_sampling_level.*Set importance_sampling_level='token'"):
+        make_config(importance_sampling_level=level)
+
+
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "vespo"])
+def test_trust_region_loss_types_are_rejected(make_config, loss_type):
+    with pytest.raises(ValueError, match=rf"loss_type='{loss_type}'.*Use one of .*'dapo'"):
+        make_config(loss_type=loss_type)
+
+
+def test_off_policy_mask_threshold_is_rejected(make_config):
+    with pytest.raises(ValueError, match="off_policy_mask_threshold.*Set off_policy_mask_threshold=None"):
+        make_config(off_policy_mask_threshold=0.5)
+
+
+@pytest.mark.parametrize("field", ["use_transformers_continuous_batching", "use_transformers_paged"])
+def test_continuous_batching_generation_is_rejected(make_config, field):
+    with pytest.raises(ValueError, match="Set use_transformers_continuous_batching=False"):
+        make_config(**{field: True})
+
+
+# --- Integration with TRL ---------------------------------------------------------------------------------------
+
+
+def test_is_a_grpo_config_subclass():
+    assert issubclass(DPPOConfig, GRPOConfig)
+    assert dataclasses.is_dataclass(DPPOConfig)
+
+
+def test_round_trips_through_to_dict(make_config):
+    config = make_config(divergence="topk_kl", delta_low=0.02, delta_high=0.08, topk=7, ratio_cap=None)
+    as_dict = config.to_dict()
+    # GRPOConfig derives generation_batch_size from steps_per_generation in __post_init__ and rejects receiving both,
+    # so only one of the pair is passed back (TrainingArguments itself accepts every other key of to_dict()).
+    as_dict.pop("generation_batch_size")
+    restored = DPPOConfig(**as_dict)
+    for name in DPPO_FIELDS:
+        assert getattr(restored, name) == getattr(config, name), name
+    assert restored.delta == 0.05
+
+
+def test_hf_argument_parser_reads_the_dppo_fields(tmp_path):
+    parser = HfArgumentParser(DPPOConfig)
+    (config,) = parser.parse_args_into_dataclasses(
+        args=[
+            "--output_dir", str(tmp_path), "--report_to", "none", "--bf16", "False",
+            "--divergence", "topk_tv", "--delta", "0.2", "--delta_low", "0.1", "--topk", "5", "--ratio_cap", "4",
+        ]
+    )  # fmt: skip
+    assert isinstance(config, DPPOConfig)
+    assert (config.divergence, config.delta, config.delta_low, config.delta_high) == ("topk_tv", 0.2, 0.1, 0.2)
+    assert (config.topk, config.ratio_cap) == (5, 4.0)
+
+
+def test_hf_argument_parser_rejects_an_unknown_divergence(tmp_path):
+    parser = HfArgumentParser(DPPOConfig)
+    with pytest.raises(SystemExit):
+        parser.parse_args_into_dataclasses(args=["--output_dir", str(tmp_path), "--divergence", "full_tv"])
