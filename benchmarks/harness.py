@@ -19,6 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = "SmolLM2-135M-Instruct"
+# Passive OpenMP waiting: spinning threads slow CPU matmuls 10-20x whenever another process shares the cores
+TRIAL_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def run_variants(variants: dict[str, dict], repeats: int, out_json: Path) -> dict:
@@ -29,7 +31,7 @@ def run_variants(variants: dict[str, dict], repeats: int, out_json: Path) -> dic
             started = time.time()
             proc = subprocess.run(
                 [sys.executable, __file__, json.dumps(spec)], capture_output=True, text=True, cwd=ROOT,
-                env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                env={**os.environ, **TRIAL_ENV},
             )
             if proc.returncode != 0:
                 raise RuntimeError(f"trial {name} failed:\n{proc.stderr[-4000:]}")
@@ -73,17 +75,16 @@ def _trial(spec: dict) -> dict:
     dppo = spec["trainer"] == "dppo"
     measured = spec["warmup"] + spec["steps"]
     steps = measured + (1 if spec.get("profile_memory") else 0)  # the profiled step is not timed
-    config = (DPPOConfig if dppo else GRPOConfig)(
-        output_dir=f"/tmp/bench-{os.getpid()}", report_to="none", bf16=False, save_strategy="no", logging_steps=1,
-        max_steps=steps, seed=0, disable_tqdm=True, **spec["config"],
-    )
+    settings = dict(output_dir=f"/tmp/bench-{os.getpid()}", report_to="none", bf16=False, save_strategy="no",
+                    logging_steps=1, max_steps=steps, seed=0, disable_tqdm=True)
+    config = (DPPOConfig if dppo else GRPOConfig)(**{**settings, **spec["config"]})
     dataset = arithmetic_dataset(256, seed=0)
     trainer = (DPPOTrainer if dppo else GRPOTrainer)(
         model=model, reward_funcs=exact_answer_reward, args=config, train_dataset=dataset,
         processing_class=smollm2_tokenizer(),
         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"),
     )
-    if not dppo and config.use_vllm:
+    if not dppo and config.use_vllm and not torch.cuda.is_available():
         # Benchmark-only shim: TRL's per-parameter colocate sync fails on vLLM's CPU backend
         backend = trainer.vllm_generation
         backend.sync_weights = lambda: sync_weights_in_place(backend)
