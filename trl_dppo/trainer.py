@@ -9,8 +9,9 @@ in one small override:
   `sampling_per_token_logps`.
 - `_get_per_token_logps_and_entropies`: during scoring, skips GRPOTrainer's recomputation of old log-probabilities
   (the trust region's anchor is mu); during the loss, turns the forward pass's log pi into per-token advantages
-  w_t = M_t * min(pi/mu, C) * A_t. GRPOTrainer's loss accepts `(B, T)` advantages and, with no old log-probabilities,
-  has the gradient -w_t * grad log pi: DPPO's gradient, normalised the GRPO way.
+  w_t = M_t * min(pi/mu, C) * A_t (or another method's weight, `trust_region`, see `losses.py`). GRPOTrainer's loss
+  accepts `(B, T)` advantages and, with no old log-probabilities, has the gradient -w_t * grad log pi: DPPO's
+  gradient, normalised the GRPO way.
 - `_compute_loss`: arms the previous override for one loss computation, and takes tokens without a sampler
   log-probability out of the loss.
 
@@ -29,9 +30,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
 from trl import GRPOTrainer
-from accelerate.utils import is_peft_model
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from .config import DPPOConfig
