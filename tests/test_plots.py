@@ -1,0 +1,109 @@
+"""Tests for `trl_dppo.plots` on a synthetic log history."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trl_dppo.plots import MU_BUCKETS, PLOTS, bucket_means, load_log_history, plot_run
+
+PNG_NAMES = sorted(PLOTS)
+
+
+def synthetic_log_history(steps: int = 30, buckets: bool = True, seed: int = 0) -> list[dict]:
+    """A log history shaped like DPPOTrainer's: one entry per step, then the Trainer's closing entry."""
+    rng = random.Random(seed)
+    history = []
+    for step in range(1, steps + 1):
+        entry = {
+            "step": step,
+            "epoch": step / steps,
+            "loss": rng.gauss(0, 0.01),
+            "reward": min(1.0, 0.2 + 0.5 * step / steps + rng.gauss(0, 0.05)),
+            "rewards/exact_answer_reward/mean": 0.2 + 0.5 * step / steps,
+            "completions/mean_length": 30 - 20 * step / steps,
+            "entropy": 1.0 - 0.5 * step / steps,
+            "trust_region/masked_fraction": 0.02 * (step % 4),
+            "trust_region/masked_fraction_pos_adv": 0.03 * (step % 4),
+            "trust_region/masked_fraction_neg_adv": 0.01 * (step % 4),
+            "mismatch/abs_prob_diff_mean": 1e-6 if step % 4 == 1 else 0.01 * (step % 4),
+            "mismatch/abs_prob_diff_max": 1e-5 if step % 4 == 1 else 0.3 * (step % 4),
+            "mismatch/kl_mean": 1e-4,
+            "mismatch/missing_sampler_logps": 0.0,
+        }
+        if buckets:
+            for i, label in enumerate(MU_BUCKETS):
+                total = [3.0, 6.0, 15.0, 30.0, 40.0, 160.0][i]
+                entry[f"tokens_by_mu/{label}/total"] = total
+                entry[f"tokens_by_mu/{label}/masked"] = [0.0, 0.0, 0.0, 1.0, 2.0, 0.5][i]
+                entry[f"tokens_by_mu/{label}/ppo_clipped"] = [2.0, 3.0, 4.0, 2.0, 0.5, 0.0][i]
+        history.append(entry)
+    history.append({"step": steps, "train_runtime": 12.3, "train_loss": 0.0})
+    return history
+
+
+def _assert_pngs(folder: Path, names: list[str]) -> None:
+    for name in names:
+        path = folder / name
+        assert path.is_file(), name
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert path.stat().st_size > 5_000, name  # an empty figure is a few kB at most
+
+
+def test_plot_run_writes_the_four_pngs(tmp_path: Path) -> None:
+    (tmp_path / "log_history.json").write_text(json.dumps(synthetic_log_history()))
+    written = plot_run(tmp_path)
+    assert sorted(p.name for p in written) == PNG_NAMES
+    _assert_pngs(tmp_path / "plots", PNG_NAMES)
+
+
+def test_missing_bucket_metrics_skip_that_figure(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    written = plot_run(synthetic_log_history(buckets=False), tmp_path / "out")
+    assert sorted(p.name for p in written) == sorted(set(PNG_NAMES) - {"tokens_by_mu.png"})
+    assert "Skipping tokens_by_mu.png" in capsys.readouterr().out
+
+
+def test_bucket_means_average_over_steps() -> None:
+    history = synthetic_log_history(steps=4)
+    history[0]["tokens_by_mu/>=0.9/total"] = 0.0  # one step without high-probability tokens
+    means = bucket_means(history)
+    assert means is not None and list(means) == list(MU_BUCKETS)
+    assert math.isclose(means[">=0.9"]["total"], 120.0)
+    assert bucket_means(synthetic_log_history(buckets=False)) is None
+
+
+def test_reads_the_latest_checkpoint_trainer_state(tmp_path: Path) -> None:
+    for step, n in ((5, 5), (10, 10)):
+        checkpoint = tmp_path / f"checkpoint-{step}"
+        checkpoint.mkdir()
+        (checkpoint / "trainer_state.json").write_text(
+            json.dumps({"global_step": step, "log_history": synthetic_log_history(steps=n)})
+        )
+    assert len(load_log_history(tmp_path)) == 11
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="log_history.json"):
+        load_log_history(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_log_history(tmp_path / "missing")
+
+
+def test_cli(tmp_path: Path) -> None:
+    (tmp_path / "log_history.json").write_text(json.dumps(synthetic_log_history()))
+    result = subprocess.run(
+        [sys.executable, "-m", "trl_dppo.plots", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    _assert_pngs(tmp_path / "plots", PNG_NAMES)
+    assert "reward.png" in result.stdout
+
+
+def test_bucket_labels_match_the_trainer() -> None:
+    from trl_dppo.trainer import MU_BUCKETS as TRAINER_BUCKETS
+
+    assert MU_BUCKETS == TRAINER_BUCKETS

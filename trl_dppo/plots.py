@@ -1,0 +1,262 @@
+"""Plots of a DPPO run from its log history.
+
+    python -m trl_dppo.plots OUTPUT_DIR [--out PLOT_DIR]
+
+reads ``OUTPUT_DIR/log_history.json`` (written by the example scripts) or a Trainer's ``trainer_state.json`` (in
+OUTPUT_DIR, or in its latest ``checkpoint-*``; a path to either file works too) and writes into ``OUTPUT_DIR/plots/``:
+
+- ``reward.png``: mean reward per step, with a moving average;
+- ``masked_fraction.png``: fraction of tokens the trust region masked, overall and by advantage sign;
+- ``mismatch.png``: mean and max |pi - mu| of the sampled tokens (log scale);
+- ``tokens_by_mu.png``: tokens kept and masked by DPPO per sampler-probability bucket, beside the tokens PPO's ratio
+  clip would have blocked, as counts and as fractions of the bucket (where the two trust regions disagree).
+  Skipped, with a note, when the log has no ``tokens_by_mu/...`` metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from .trainer import MU_BUCKETS  # noqa: E402  (labels of the `tokens_by_mu/<label>/...` metrics)
+
+__all__ = ["MU_BUCKETS", "bucket_means", "load_log_history", "main", "plot_run"]
+
+
+LogHistory = Sequence[Mapping[str, Any]]
+
+
+def _checkpoint_number(path: Path) -> int:
+    match = re.search(r"checkpoint-(\d+)$", path.name)
+    return int(match.group(1)) if match else -1
+
+
+def load_log_history(path: str | Path) -> list[dict[str, Any]]:
+    """Read a log history from a run folder, a checkpoint folder, ``log_history.json`` or ``trainer_state.json``."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: pass a run's output_dir (with log_history.json) or a file.")
+    if path.is_dir():
+        candidates = [path / "log_history.json", path / "trainer_state.json"]
+        checkpoints = sorted(path.glob("checkpoint-*"), key=_checkpoint_number)
+        if checkpoints:
+            candidates.append(checkpoints[-1] / "trainer_state.json")
+        found = next((c for c in candidates if c.is_file()), None)
+        if found is None:
+            raise FileNotFoundError(
+                f"No log_history.json or trainer_state.json in {path} (nor in a checkpoint-* folder inside it). Pass "
+                "the output_dir of a run made by the example scripts, or a checkpoint folder."
+            )
+        path = found
+    data = json.loads(path.read_text())
+    history = data["log_history"] if isinstance(data, dict) else data
+    if not isinstance(history, list):
+        raise ValueError(f"{path} holds no log history (expected a list of dicts or a trainer_state.json).")
+    return history
+
+
+def _series(history: LogHistory, key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of the training-log entries that carry ``key``."""
+    pairs = [
+        (float(entry.get("step", i)), float(entry[key]))
+        for i, entry in enumerate(history)
+        if isinstance(entry.get(key), (int, float))
+    ]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _moving_average(values: Sequence[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _finish(fig: plt.Figure, ax: plt.Axes, path: Path) -> Path:
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_reward(history: LogHistory, path: Path) -> Path | None:
+    steps, reward = _series(history, "reward")
+    if not steps:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, reward, ".", alpha=0.45, color="tab:blue", label="reward (steps that logged one)")
+    window = max(1, len(reward) // 10)
+    ax.plot(steps, _moving_average(reward, window), color="tab:blue", lw=2, label=f"moving average ({window} points)")
+    ax.set(title="Mean reward per step", xlabel="optimizer step", ylabel="mean reward")
+    return _finish(fig, ax, path)
+
+
+def plot_masked_fraction(history: LogHistory, path: Path) -> Path | None:
+    keys = {
+        "all tokens": ("trust_region/masked_fraction", "black", "-"),
+        "positive advantage": ("trust_region/masked_fraction_pos_adv", "tab:green", "--"),
+        "negative advantage": ("trust_region/masked_fraction_neg_adv", "tab:red", "--"),
+    }
+    fig, ax = plt.subplots(figsize=(7, 4))
+    plotted = False
+    for label, (key, color, style) in keys.items():
+        steps, values = _series(history, key)
+        if steps:
+            ax.plot(steps, values, style, color=color, marker=".", label=label)
+            plotted = True
+    if not plotted:
+        plt.close(fig)
+        return None
+    ax.set(
+        title="Tokens masked by DPPO's trust region, by advantage sign",
+        xlabel="optimizer step",
+        ylabel="masked fraction of tokens",
+    )
+    ax.set_ylim(bottom=0)
+    return _finish(fig, ax, path)
+
+
+def plot_mismatch(history: LogHistory, path: Path) -> Path | None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    plotted = False
+    for label, key, color in (
+        (r"mean $|\pi - \mu|$", "mismatch/abs_prob_diff_mean", "tab:blue"),
+        (r"max $|\pi - \mu|$", "mismatch/abs_prob_diff_max", "tab:orange"),
+    ):
+        steps, values = _series(history, key)
+        points = [(s, v) for s, v in zip(steps, values) if v > 0]  # a log axis cannot show zeros
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", color=color, label=label)
+            plotted = True
+    if not plotted:
+        plt.close(fig)
+        return None
+    ax.set_yscale("log")
+    ax.set(
+        title="Trainer vs sampler probability of the sampled tokens",
+        xlabel="optimizer step",
+        ylabel=r"$|\pi - \mu|$ (log scale)",
+    )
+    return _finish(fig, ax, path)
+
+
+def bucket_means(history: LogHistory) -> dict[str, dict[str, float]] | None:
+    """Run mean of ``tokens_by_mu/<bucket>/{total,masked,ppo_clipped}`` per bucket, or ``None`` if never logged."""
+    means: dict[str, dict[str, float]] = {}
+    for bucket in MU_BUCKETS:
+        row = {}
+        for kind in ("total", "masked", "ppo_clipped"):
+            _, values = _series(history, f"tokens_by_mu/{bucket}/{kind}")
+            row[kind] = sum(values) / len(values) if values else float("nan")
+        means[bucket] = row
+    if all(math.isnan(row["total"]) for row in means.values()):  # the metrics are absent
+        return None
+    return {b: {k: 0.0 if math.isnan(v) else v for k, v in row.items()} for b, row in means.items()}
+
+
+def plot_tokens_by_mu(history: LogHistory, path: Path) -> Path | None:
+    means = bucket_means(history)
+    if means is None:
+        return None
+    x = list(range(len(MU_BUCKETS)))
+    total = [means[b]["total"] for b in MU_BUCKETS]
+    masked = [means[b]["masked"] for b in MU_BUCKETS]
+    clipped = [means[b]["ppo_clipped"] for b in MU_BUCKETS]
+    kept = [t - m for t, m in zip(total, masked)]
+    width = 0.27
+    fig, (ax_counts, ax_frac) = plt.subplots(1, 2, figsize=(13, 4.8))
+    bars = (
+        ("kept by DPPO", kept, "tab:green", -width),
+        ("masked by DPPO", masked, "tab:red", 0.0),
+        ("clipped by PPO ratio", clipped, "tab:purple", width),
+    )
+    for label, values, color, offset in bars:
+        ax_counts.bar([i + offset for i in x], values, width, label=label, color=color)
+    ax_counts.set_yscale("symlog", linthresh=1.0)
+    ax_counts.set(
+        title="Tokens per sampler-probability bucket",
+        xlabel=r"sampler probability $\mu$ of the sampled token",
+        ylabel="tokens per micro-batch (run mean, symlog)",
+    )
+    for label, values, color, offset in bars[1:]:
+        fractions = [v / t if t > 0 else 0.0 for v, t in zip(values, total)]
+        ax_frac.bar([i + offset - width / 2 for i in x], fractions, width, label=label, color=color)
+    ax_frac.set(
+        title="Share of each bucket blocked: DPPO mask vs PPO clip",
+        xlabel=r"sampler probability $\mu$ of the sampled token",
+        ylabel="fraction of the bucket's tokens",
+    )
+    for ax in (ax_counts, ax_frac):
+        ax.set_xticks(x, MU_BUCKETS)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# File name -> (plotting function, the metrics it needs, for the note when they are absent)
+PLOTS = {
+    "reward.png": (plot_reward, "reward"),
+    "masked_fraction.png": (plot_masked_fraction, "trust_region/masked_fraction*"),
+    "mismatch.png": (plot_mismatch, "mismatch/abs_prob_diff_mean|max"),
+    "tokens_by_mu.png": (plot_tokens_by_mu, "tokens_by_mu/<bucket>/total|masked|ppo_clipped"),
+}
+
+
+def plot_run(source: str | Path | LogHistory, out_dir: str | Path | None = None) -> list[Path]:
+    """Write the PNGs for a run and return their paths; prints a note for each figure the log cannot make.
+
+    Args:
+        source: A run folder, checkpoint folder or log file (see `load_log_history`), or a log history itself.
+        out_dir: Where the PNGs go; defaults to ``<run folder>/plots`` (required when ``source`` is a log history).
+    """
+    if isinstance(source, (str, Path)):
+        history = load_log_history(source)
+        run_dir = Path(source) if Path(source).is_dir() else Path(source).parent
+        out_dir = Path(out_dir) if out_dir is not None else run_dir / "plots"
+    else:
+        history = list(source)
+        if out_dir is None:
+            raise ValueError("Pass out_dir when plotting a log history given as a list.")
+        out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, (plot, metrics) in PLOTS.items():
+        path = plot(history, out_dir / name)
+        if path is None:
+            print(f"Skipping {name}: the log history has no {metrics} metrics.")
+        else:
+            written.append(path)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> list[Path]:
+    parser = argparse.ArgumentParser(prog="python -m trl_dppo.plots", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", help="output_dir of a run, a checkpoint folder, log_history.json or trainer_state.json")
+    parser.add_argument("--out", default=None, help="folder for the PNGs (default: RUN/plots)")
+    args = parser.parse_args(argv)
+    written = plot_run(args.run, args.out)
+    for path in written:
+        print(path)
+    return written
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Helpers shared by the example scripts: device-aware defaults, TRL-style parsing, and the run summary.
+
+The summary is what a run leaves behind for later comparison and plotting: ``log_history.json`` (the Trainer's
+``state.log_history``, one dict per logging step) and ``dppo_summary.json`` (mean reward over the first and the last
+10% of logged steps, the mean DPPO masked fraction, and how the run was configured).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .default_model import DEFAULT_MODEL
+
+__all__ = [
+    "COMMON_DEFAULTS",
+    "device_defaults",
+    "format_summary",
+    "parse_with_defaults",
+    "set_model_init_kwargs",
+    "summarize_log_history",
+    "train_and_report",
+    "write_run_outputs",
+]
+
+SUMMARY_FILE = "dppo_summary.json"
+# (set by the user, default to drop): GRPOConfig accepts only one of each pair
+_EXCLUSIVE = (("generation_batch_size", "steps_per_generation"), ("steps_per_generation", "generation_batch_size"))
+LOG_HISTORY_FILE = "log_history.json"
+
+
+# Defaults both example scripts share: the offline default model with LoRA on all linear layers, 8 samples per prompt
+# at temperature 1.0, a generation batch split into 4 micro-batches (so most updates are off-policy and the trust
+# region has work to do), binary-TV DPPO at delta 0.15 (the paper's LoRA setting), a log line every step.
+COMMON_DEFAULTS: dict[str, Any] = {
+    "model_name_or_path": DEFAULT_MODEL,
+    "use_peft": True,
+    "lora_r": 16,
+    "lora_alpha": 32,
+    "lora_dropout": 0.0,
+    "lora_target_modules": ["all-linear"],
+    "per_device_train_batch_size": 8,
+    "steps_per_generation": 4,
+    "num_generations": 8,
+    "temperature": 1.0,
+    "logging_steps": 1,
+    "report_to": "none",
+    "seed": 0,
+    "ddp_find_unused_parameters": False,
+    "divergence": "binary_tv",
+    "delta": 0.15,
+}
+
+
+def device_defaults() -> dict[str, Any]:
+    """Trainer defaults that depend on the hardware: bf16 on CUDA, plain float32 on the CPU otherwise."""
+    cuda = torch.cuda.is_available()
+    return {"bf16": cuda, "use_cpu": not cuda}
+
+
+def set_model_init_kwargs(training_args: Any, model_args: Any) -> None:
+    """Pass ModelConfig's loading options (dtype, attention, revision) on to the trainer, as TRL's scripts do."""
+    training_args.model_init_kwargs = {
+        "dtype": model_args.dtype,
+        "attn_implementation": model_args.attn_implementation,
+        "revision": model_args.model_revision,
+        **(training_args.model_init_kwargs or {}),
+    }
+
+
+def parse_with_defaults(parser: Any, defaults: Mapping[str, Any], args: Sequence[str] | None = None) -> tuple:
+    """Parse with TRL's ``TrlParser``, the script's defaults below a ``--config`` YAML file and the command line.
+
+    Precedence, lowest first: the dataclasses' own defaults, ``defaults``, the YAML file, the command line. GRPOConfig
+    refuses both ``generation_batch_size`` and ``steps_per_generation``, so a default for one is dropped when the
+    user sets the other.
+    """
+    args = list(sys.argv[1:] if args is None else args)
+    given = {a[2:].split("=")[0].replace("-", "_") for a in args if a.startswith("--")}
+    if "--config" in args:
+        import yaml
+
+        with open(args[args.index("--config") + 1]) as f:
+            given |= set(yaml.safe_load(f) or {})
+    defaults = dict(defaults)
+    for chosen, dropped in _EXCLUSIVE:
+        if chosen in given:
+            defaults.pop(dropped, None)
+    unknown = parser.set_defaults_with_config(**defaults)
+    if unknown:
+        raise ValueError(f"Script defaults name unknown arguments: {unknown[::2]}")
+    return parser.parse_args_and_config(args=args)
+
+
+def _window_mean(values: Sequence[float], fraction: float, last: bool) -> float | None:
+    if not values:
+        return None
+    n = max(1, math.ceil(len(values) * fraction))
+    window = values[-n:] if last else values[:n]
+    return sum(window) / len(window)
+
+
+def _series(log_history: Iterable[Mapping[str, Any]], key: str) -> list[float]:
+    return [float(entry[key]) for entry in log_history if isinstance(entry.get(key), (int, float))]
+
+
+def summarize_log_history(log_history: Sequence[Mapping[str, Any]], fraction: float = 0.1) -> dict[str, Any]:
+    """Reward at the start and the end of a run and the mean masked fraction, from a Trainer's log history.
+
+    ``reward_first`` / ``reward_last`` average ``reward`` over the first / last ``fraction`` of the logged steps that
+    carry it (at least one step each); ``None`` when nothing was logged.
+    """
+    rewards = _series(log_history, "reward")
+    masked = _series(log_history, "trust_region/masked_fraction")
+    return {
+        "reward_first": _window_mean(rewards, fraction, last=False),
+        "reward_last": _window_mean(rewards, fraction, last=True),
+        "logged_steps": len(rewards),
+        "masked_fraction_mean": sum(masked) / len(masked) if masked else None,
+    }
+
+
+def write_run_outputs(trainer: Any, extra: Mapping[str, Any], runtime_s: float) -> dict[str, Any] | None:
+    """Write ``log_history.json`` and ``dppo_summary.json`` into the trainer's output_dir; return the summary.
+
+    Only the main process writes and returns the summary; the others return ``None``.
+    """
+    if not trainer.is_world_process_zero():
+        return None
+    output_dir = Path(trainer.args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    history = trainer.state.log_history
+    (output_dir / LOG_HISTORY_FILE).write_text(json.dumps(history, indent=1))
+    summary = {
+        **summarize_log_history(history),
+        "steps": trainer.state.global_step,
+        **extra,
+        "seed": trainer.args.seed,
+        "runtime_s": round(runtime_s, 1),
+        "num_processes": trainer.accelerator.num_processes,
+    }
+    (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """One readable line per summary field."""
+
+    def fmt(value: Any) -> str:
+        return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+    return "\n".join(f"  {key}: {fmt(value)}" for key, value in summary.items())
+
+
+def train_and_report(
+    trainer: Any, label: str, model: str, data: str, extra: Mapping[str, Any], start: float, model_note: str = ""
+) -> dict[str, Any] | None:
+    """Print the run's one-line header, train, save the model, write and print the summary (see `write_run_outputs`).
+
+    Args:
+        trainer: A ready DPPOTrainer.
+        label: Name of the job in the printed lines, e.g. "DPPO math".
+        model: The model as the user named it.
+        data: The data, with its size.
+        extra: Fields added to the summary (the learning rate, generations and trust region are added here).
+        start: ``time.time()`` when the script started, for the summary's runtime.
+        model_note: Printed after the model in the header, e.g. " | reward model: NAME".
+    """
+    args, accelerator = trainer.args, trainer.accelerator
+    device = f"{accelerator.device.type} x{accelerator.num_processes}"
+    if accelerator.num_processes > 1:
+        device += f" ({accelerator.state.backend})"
+    accelerator.print(
+        f"{label} | model: {model}{model_note} | device: {device} | data: {data} | steps: {args.max_steps} | "
+        f"output_dir: {args.output_dir}"
+    )
+    trainer.train()
+    trainer.save_model(args.output_dir)  # the LoRA adapter (a few MB) or the full model
+    fields = {
+        "model": model,
+        "data": data,
+        **extra,
+        "learning_rate": args.learning_rate,
+        "num_generations": args.num_generations,
+        "divergence": args.divergence,
+        "delta": args.delta,
+    }
+    summary = write_run_outputs(trainer, fields, runtime_s=time.time() - start)
+    if summary is not None:
+        print(f"{label} summary ({args.output_dir}):\n{format_summary(summary)}", flush=True)
+    return summary
