@@ -16,7 +16,9 @@ from pathlib import Path
 
 from harness import SMOLLM2, markdown_table, run_variants
 
-BASE = dict(per_device_train_batch_size=8, num_generations=8, max_completion_length=32, learning_rate=1e-4)
+# Every completion is 32 tokens long (no early end of sequence), so the variants generate the same amount
+BASE = dict(per_device_train_batch_size=8, num_generations=8, max_completion_length=32, learning_rate=1e-4,
+            generation_kwargs={"min_new_tokens": 32})
 STALE = dict(BASE, steps_per_generation=2, gradient_accumulation_steps=1)
 
 

@@ -48,6 +48,7 @@ def run_variants(variants: dict[str, dict], repeats: int, out_json: Path) -> dic
             "peak_step_tensor_mb": statistics.median(t["peak_step_tensor_mb"] for t in trials)
             if trials[0]["peak_step_tensor_mb"] is not None else None,
             "policy_nograd_forwards_per_step": trials[0]["policy_nograd_forwards_per_step"],
+            "completion_length": statistics.mean(t["completion_length"] for t in trials),
             "spec": variants[name],
         }
         for name, trials in results.items()
@@ -130,8 +131,10 @@ def _trial(spec: dict) -> dict:
 
     trainer.train()
     step_times = [e["step_time"] for e in trainer.state.log_history if "step_time" in e][spec["warmup"] : measured]
+    lengths = [e["completions/mean_length"] for e in trainer.state.log_history if "completions/mean_length" in e]
     return {
         "step_time_s": statistics.mean(step_times),
+        "completion_length": statistics.mean(lengths),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_step_tensor_mb": peak_tensor,
         "policy_nograd_forwards_per_step": counts["n"] / steps,

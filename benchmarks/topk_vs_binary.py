@@ -16,7 +16,9 @@ from pathlib import Path
 
 from harness import ROOT, SMOLLM2, markdown_table, run_variants
 
-CONFIG = dict(per_device_train_batch_size=8, num_generations=8, max_completion_length=32, learning_rate=1e-4)
+# Every completion is 32 tokens long (no early end of sequence), so the variants generate the same amount
+CONFIG = dict(per_device_train_batch_size=8, num_generations=8, max_completion_length=32, learning_rate=1e-4,
+              generation_kwargs={"min_new_tokens": 32})
 TOPK = dict(CONFIG, divergence="topk_kl", topk=20)
 
 

@@ -19,6 +19,7 @@ from harness import SMOLLM2, markdown_table, run_variants
 VLLM = dict(
     per_device_train_batch_size=8, num_generations=8, max_completion_length=32, learning_rate=1e-4, use_vllm=True,
     vllm_mode="colocate", vllm_max_model_length=512, vllm_gpu_memory_utilization=0.3,
+    generation_kwargs={"min_tokens": 32},  # every completion 32 tokens: the variants generate the same amount
 )
 
 
