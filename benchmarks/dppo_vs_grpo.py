@@ -17,8 +17,13 @@ from pathlib import Path
 from harness import SMOLLM2, markdown_table, run_variants
 
 # Every completion is 32 tokens long (no early end of sequence), so the variants generate the same amount
-BASE = dict(per_device_train_batch_size=8, num_generations=8, max_completion_length=32, learning_rate=1e-4,
-            generation_kwargs={"min_new_tokens": 32})
+BASE = dict(
+    per_device_train_batch_size=8,
+    num_generations=8,
+    max_completion_length=32,
+    learning_rate=1e-4,
+    generation_kwargs={"min_new_tokens": 32},
+)
 STALE = dict(BASE, steps_per_generation=2, gradient_accumulation_steps=1)
 
 
@@ -40,9 +45,11 @@ def main() -> None:
     text = (
         "# DPPOTrainer vs GRPOTrainer (transformers generation, SmolLM2-135M + LoRA, CPU)\n\n"
         f"Median of {args.repeats} interleaved trials per variant, each in a fresh process.\n\n"
-        "## Aligned (one generation per optimizer step)\n\n" + markdown_table(aligned, "grpo, aligned") +
-        "\n\n## steps_per_generation=2, gradient_accumulation_steps=1\n\n" +
-        markdown_table(stale, "grpo, steps_per_generation=2") + "\n"
+        "## Aligned (one generation per optimizer step)\n\n"
+        + markdown_table(aligned, "grpo, aligned")
+        + "\n\n## steps_per_generation=2, gradient_accumulation_steps=1\n\n"
+        + markdown_table(stale, "grpo, steps_per_generation=2")
+        + "\n"
     )
     (out / "dppo_vs_grpo.md").write_text(text)
     print(text)

@@ -3,7 +3,8 @@
 A trial trains a few steps and reports the mean optimizer-step time after warm-up (GRPOTrainer's `step_time`
 metric: generation, scoring and the update), the process's peak resident memory, the number of no-grad forward
 passes of the policy outside generation (the old-log-prob recomputation), and, when asked, the peak of live tensor
-memory during one profiled step (replayed from torch.profiler's allocation events, exact to the byte).
+memory during one profiled step, replayed from torch.profiler's allocation events (each op's allocations net of
+its frees, so a transient that lives only inside one op is not seen).
 """
 
 from __future__ import annotations
@@ -30,23 +31,29 @@ def run_variants(variants: dict[str, dict], repeats: int, out_json: Path) -> dic
         for name, spec in variants.items():
             started = time.time()
             proc = subprocess.run(
-                [sys.executable, __file__, json.dumps(spec)], capture_output=True, text=True, cwd=ROOT,
+                [sys.executable, __file__, json.dumps(spec)],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
                 env={**os.environ, **TRIAL_ENV},
             )
             if proc.returncode != 0:
                 raise RuntimeError(f"trial {name} failed:\n{proc.stderr[-4000:]}")
             trial = json.loads(proc.stdout.strip().splitlines()[-1])
             results[name].append(trial)
-            print(f"[rep {rep}] {name}: {trial['step_time_s']:.2f} s/step, peak RSS {trial['peak_rss_mb']:.0f} MB, "
-                  f"recompute passes/step {trial['policy_nograd_forwards_per_step']:.2f} ({time.time() - started:.0f} s)",
-                  flush=True)
+            print(
+                f"[rep {rep}] {name}: {trial['step_time_s']:.2f} s/step, peak RSS {trial['peak_rss_mb']:.0f} MB, "
+                f"recompute passes/step {trial['policy_nograd_forwards_per_step']:.2f} ({time.time() - started:.0f} s)",
+                flush=True,
+            )
     summary = {
         name: {
             "step_time_s": statistics.median(t["step_time_s"] for t in trials),
             "step_times_s": [t["step_time_s"] for t in trials],
             "peak_rss_mb": statistics.median(t["peak_rss_mb"] for t in trials),
             "peak_step_tensor_mb": statistics.median(t["peak_step_tensor_mb"] for t in trials)
-            if trials[0]["peak_step_tensor_mb"] is not None else None,
+            if trials[0]["peak_step_tensor_mb"] is not None
+            else None,
             "policy_nograd_forwards_per_step": trials[0]["policy_nograd_forwards_per_step"],
             "completion_length": statistics.mean(t["completion_length"] for t in trials),
             "spec": variants[name],
@@ -62,7 +69,6 @@ def _trial(spec: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     import torch
     from accelerate.utils import is_peft_model
-    from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
@@ -76,12 +82,23 @@ def _trial(spec: dict) -> dict:
     dppo = spec["trainer"] == "dppo"
     measured = spec["warmup"] + spec["steps"]
     steps = measured + (1 if spec.get("profile_memory") else 0)  # the profiled step is not timed
-    settings = dict(output_dir=f"/tmp/bench-{os.getpid()}", report_to="none", bf16=False, save_strategy="no",
-                    logging_steps=1, max_steps=steps, seed=0, disable_tqdm=True)
+    settings = dict(
+        output_dir=f"/tmp/bench-{os.getpid()}",
+        report_to="none",
+        bf16=False,
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=steps,
+        seed=0,
+        disable_tqdm=True,
+    )
     config = (DPPOConfig if dppo else GRPOConfig)(**{**settings, **spec["config"]})
     dataset = arithmetic_dataset(256, seed=0)
     trainer = (DPPOTrainer if dppo else GRPOTrainer)(
-        model=model, reward_funcs=exact_answer_reward, args=config, train_dataset=dataset,
+        model=model,
+        reward_funcs=exact_answer_reward,
+        args=config,
+        train_dataset=dataset,
         processing_class=smollm2_tokenizer(),
         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"),
     )
@@ -111,19 +128,19 @@ def _trial(spec: dict) -> dict:
 
             def on_step_begin(self, args, state, control, **kwargs):
                 if state.global_step == steps - 1:
-                    self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                                       profile_memory=True)
+                    self.prof = torch.profiler.profile(
+                        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+                    )
                     self.prof.__enter__()
 
             def on_step_end(self, args, state, control, **kwargs):
                 if state.global_step == steps:
                     self.prof.__exit__(None, None, None)
                     nonlocal peak_tensor
-                    events = sorted((e for e in self.prof.events() if e.name == "[memory]"),
-                                    key=lambda e: e.time_range.start)
+                    # Each op's own allocations net of its frees, and frees outside ops ("[memory]"), in time order
                     live = peak = 0
-                    for e in events:
-                        live += e.cpu_memory_usage
+                    for e in sorted(self.prof.events(), key=lambda e: e.time_range.start):
+                        live += e.self_cpu_memory_usage
                         peak = max(peak, live)
                     peak_tensor = peak / 2**20
 

@@ -17,8 +17,13 @@ from pathlib import Path
 from harness import ROOT, SMOLLM2, markdown_table, run_variants
 
 # Every completion is 32 tokens long (no early end of sequence), so the variants generate the same amount
-CONFIG = dict(per_device_train_batch_size=8, num_generations=8, max_completion_length=32, learning_rate=1e-4,
-              generation_kwargs={"min_new_tokens": 32})
+CONFIG = dict(
+    per_device_train_batch_size=8,
+    num_generations=8,
+    max_completion_length=32,
+    learning_rate=1e-4,
+    generation_kwargs={"min_new_tokens": 32},
+)
 TOPK = dict(CONFIG, divergence="topk_kl", topk=20)
 
 
@@ -40,9 +45,11 @@ def main() -> None:
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
     tiny = tiny_model(Path("/tmp/trl-dppo-bench-tiny"))
-    texts = ["# topk_kl (K=20) vs binary_tv (transformers generation, LoRA r=16, CPU)\n",
-             f"Median of {args.repeats} interleaved trials per variant, each in a fresh process; "
-             "8 completions x 32 tokens per step. Budget for the kept sets: 8 x 32 x 21 x 8 bytes = 0.04 MB.\n"]
+    texts = [
+        "# topk_kl (K=20) vs binary_tv (transformers generation, LoRA r=16, CPU)\n",
+        f"Median of {args.repeats} interleaved trials per variant, each in a fresh process; "
+        "8 completions x 32 tokens per step. Budget for the kept sets: 8 x 32 x 21 x 8 bytes = 0.04 MB.\n",
+    ]
     for label, model in (("SmolLM2-135M-Instruct", SMOLLM2), ("tiny model (2 layers, hidden 64)", tiny)):
         variants = {
             "binary_tv": dict(trainer="dppo", model=model, config=CONFIG, warmup=1, steps=4, profile_memory=True),
@@ -51,8 +58,10 @@ def main() -> None:
         name = "smollm2" if model == SMOLLM2 else "tiny"
         summary = run_variants(variants, args.repeats, out / f"topk_vs_binary_{name}.json")
         extra = summary["topk_kl K=20"]["peak_step_tensor_mb"] - summary["binary_tv"]["peak_step_tensor_mb"]
-        texts.append(f"\n## {label}\n\n{markdown_table(summary, 'binary_tv')}\n\n"
-                     f"Extra peak tensor memory of top-K in the profiled step: {extra:.3f} MB\n")
+        texts.append(
+            f"\n## {label}\n\n{markdown_table(summary, 'binary_tv')}\n\n"
+            f"Extra peak tensor memory of top-K in the profiled step: {extra:.3f} MB\n"
+        )
     (out / "topk_vs_binary.md").write_text("\n".join(texts))
     print("\n".join(texts))
 

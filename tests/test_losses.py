@@ -43,9 +43,7 @@ def test_masked_tokens_get_exactly_zero_gradient():
     _, grad = grad_wrt_trainer_logps(
         lambda lp: dppo_per_token_loss(lp, sampler, advantages, delta, delta, "tv", ratio_cap=10.0), trainer
     )
-    keep = trust_region_mask(
-        binary_divergence(sampler, trainer, "tv"), sampler, trainer, advantages, delta, delta
-    )
+    keep = trust_region_mask(binary_divergence(sampler, trainer, "tv"), sampler, trainer, advantages, delta, delta)
     assert (~keep).sum() > 20 and keep.sum() > 20
     assert torch.equal(grad[~keep], torch.zeros_like(grad[~keep]))
     assert (grad[keep & (advantages != 0)] != 0).all()
@@ -150,9 +148,7 @@ def test_explicit_divergence_replaces_the_binary_default():
         lambda lp: dppo_per_token_loss(lp, sampler, advantages, delta, delta, "tv", ratio_cap=10.0), trainer
     )
     loss_topk, grad_topk = grad_wrt_trainer_logps(
-        lambda lp: dppo_per_token_loss(
-            lp, sampler, advantages, delta, delta, "tv", ratio_cap=10.0, divergence=topk
-        ),
+        lambda lp: dppo_per_token_loss(lp, sampler, advantages, delta, delta, "tv", ratio_cap=10.0, divergence=topk),
         trainer,
     )
     assert grad_binary.item() == pytest.approx(-1.01, rel=1e-5)

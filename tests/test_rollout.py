@@ -53,8 +53,9 @@ def test_kept_set_adds_the_sampled_token_only_when_outside_the_top_k():
 
 def test_recorder_during_generate_matches_a_full_forward_for_completions_of_different_lengths(tokenizer):
     model = build_tiny_model(tokenizer, head_scale=10.0).eval()
-    prompt = tokenizer(["Hello there", "A longer prompt for the second row"], return_tensors="pt", padding=True,
-                       padding_side="left")
+    prompt = tokenizer(
+        ["Hello there", "A longer prompt for the second row"], return_tensors="pt", padding=True, padding_side="left"
+    )
     torch.manual_seed(0)
     config = GenerationConfig(do_sample=True, temperature=0.8, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id)
     with torch.no_grad():
@@ -67,14 +68,17 @@ def test_recorder_during_generate_matches_a_full_forward_for_completions_of_diff
     with torch.no_grad(), recording_generate(model, recorder):
         full = model.generate(**prompt, generation_config=config)
     assert "generate" not in vars(model)  # the wrapper is removed after the block
-    completion = full[:, prompt["input_ids"].size(1):]
+    completion = full[:, prompt["input_ids"].size(1) :]
     completion_ids = []
     for row in completion.tolist():
         completion_ids.append(row[: row.index(eos) + 1] if eos in row else row)
     records = recorder.finish(completion_ids)
     with torch.no_grad():
-        logits = model(full, attention_mask=(full != tokenizer.pad_token_id) | (torch.arange(full.size(1)) >=
-                                                                             prompt["input_ids"].size(1))).logits
+        logits = model(
+            full,
+            attention_mask=(full != tokenizer.pad_token_id)
+            | (torch.arange(full.size(1)) >= prompt["input_ids"].size(1)),
+        ).logits
     expected = torch.log_softmax(logits[:, prompt["input_ids"].size(1) - 1 : -1] / 0.8, -1)
     expected = expected.gather(-1, completion[..., None]).squeeze(-1)
     for i, row in enumerate(records):

@@ -37,16 +37,25 @@ def test_kept_logps_from_hidden_equal_a_direct_log_softmax_and_gather(with_bias)
 
 
 def test_models_whose_logits_are_not_the_lm_head_alone_are_rejected():
-    config = GemmaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=30.0)
+    config = GemmaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        final_logit_softcapping=30.0,
+    )
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         check_topk_support(GemmaForCausalLM(config))
 
 
 def test_trainer_and_sampler_kept_sets_agree_at_learning_rate_zero(tmp_path, tiny_model_dir, prompts, tokenizer):
     """Same ids, same log-probabilities: the kept set is recorded aligned with the completion tokens."""
-    trainer = make_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, learning_rate=0.0, divergence="topk_kl",
-                           topk=5, temperature=0.9)
+    trainer = make_trainer(
+        tmp_path, tiny_model_dir, prompts, tokenizer, learning_rate=0.0, divergence="topk_kl", topk=5, temperature=0.9
+    )
     seen = spy_on_trust_region(trainer)
     captured = []
     original = topk_logps_from_hidden
@@ -80,8 +89,17 @@ def test_trainer_and_sampler_kept_sets_agree_at_learning_rate_zero(tmp_path, tin
 
 
 def test_topk_training_moves_the_lora_weights(tmp_path, tiny_model_dir, prompts, tokenizer):
-    trainer = make_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, divergence="topk_tv", topk=20,
-                           steps_per_generation=2, gradient_accumulation_steps=2, max_steps=2)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_model_dir,
+        prompts,
+        tokenizer,
+        divergence="topk_tv",
+        topk=20,
+        steps_per_generation=2,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+    )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters() if p.requires_grad)

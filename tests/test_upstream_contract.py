@@ -25,7 +25,12 @@ def source(fn):
 def test_generate_single_turn_signature_and_return():
     """`_generate_single_turn` override: same arguments, returns (completion_ids, logprobs)."""
     assert params(GRPOTrainer._generate_single_turn) == [
-        "self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"
+        "self",
+        "prompt_ids",
+        "images",
+        "multimodal_fields",
+        "num_generations",
+        "has_tool_images",
     ]
     assert params(DPPOTrainer._generate_single_turn) == params(GRPOTrainer._generate_single_turn)
     assert "return completion_ids, logprobs" in source(GRPOTrainer._generate_single_turn)
@@ -40,7 +45,9 @@ def test_rollout_logprobs_are_threaded_into_the_batch():
     reach the batch as `sampling_per_token_logps` whenever they are not None."""
     assert params(GRPOTrainer._generate) == ["self", "prompts"]
     src = source(GRPOTrainer._generate)
-    assert "return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images" in src
+    assert (
+        "return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images" in src
+    )
     src = source(GRPOTrainer._generate_and_score_completions)
     assert 'output["sampling_per_token_logps"] = sampling_per_token_logps' in src
     assert "if sampling_per_token_logps is not None:" in src
@@ -49,11 +56,17 @@ def test_rollout_logprobs_are_threaded_into_the_batch():
 def test_scoring_and_loss_forwards_go_through_get_per_token_logps():
     """`_get_per_token_logps_and_entropies` override: old log-probs, reference and loss forwards all call it."""
     assert params(GRPOTrainer._get_per_token_logps_and_entropies)[:5] == [
-        "self", "model", "input_ids", "attention_mask", "logits_to_keep"
+        "self",
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
     ]
     scoring = source(GRPOTrainer._generate_and_score_completions)
     assert "old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies(" in scoring
-    assert "self.model," in scoring.split("old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies(")[1][:80]
+    assert (
+        "self.model," in scoring.split("old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies(")[1][:80]
+    )
     # the fused LM head computes the policy's hidden states through the backbone, where the top-K hook sits
     assert "fused_lm_head=True" in source(GRPOTrainer._get_per_token_logps_and_entropies)
 

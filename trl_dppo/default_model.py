@@ -68,13 +68,10 @@ def _gguf_location() -> tuple[str, str]:
         )
     folder = next(iter(spec.submodule_search_locations))
     if not (Path(folder) / _GGUF_FILE).is_file():
-        raise FileNotFoundError(
-            f"{_GGUF_FILE} is missing from {folder}; reinstall with: {_INSTALL_HINT}"
-        )
+        raise FileNotFoundError(f"{_GGUF_FILE} is missing from {folder}; reinstall with: {_INSTALL_HINT}")
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(
-            f"Reading the default model's GGUF file needs the 'gguf' package. "
-            f"Install it with: {_INSTALL_HINT}"
+            f"Reading the default model's GGUF file needs the 'gguf' package. Install it with: {_INSTALL_HINT}"
         )
     return folder, _GGUF_FILE
 
@@ -82,9 +79,7 @@ def _gguf_location() -> tuple[str, str]:
 def _convert(out_dir: Path) -> None:
     """Dequantize the shipped GGUF into a plain transformers folder at ``out_dir``."""
     gguf_dir, gguf_file = _gguf_location()
-    gguf_model = AutoModelForCausalLM.from_pretrained(
-        gguf_dir, gguf_file=gguf_file, dtype=torch.float32
-    )
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
     config = gguf_model.config
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)

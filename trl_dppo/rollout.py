@@ -127,7 +127,10 @@ class SamplerLogprobRecorder(LogitsProcessor):
         records = []
         for i, ids in enumerate(completion_ids):
             if self.topk:
-                row = [SampledLogprob(v, tuple(k), tuple(l)) for v, k, l in zip(logps[i], kept_ids[i], kept_logps[i])]
+                row = [
+                    SampledLogprob(v, tuple(ids_t), tuple(lps_t))
+                    for v, ids_t, lps_t in zip(logps[i], kept_ids[i], kept_logps[i])
+                ]
             else:
                 row = [SampledLogprob(v) for v in logps[i]]
             records.append(row[: len(ids)])
@@ -216,7 +219,7 @@ def kept_set_tensors(
     void_ids, void_logps = (VOID_ID,) * (topk + 1), (-math.inf,) * (topk + 1)
     ids, logps = [], []
     for row in records:
-        kept = [r for r in row[:length]] + [None] * (length - len(row))
+        kept = list(row[:length]) + [None] * (length - len(row))
         has = [isinstance(r, SampledLogprob) and bool(r.kept_ids) for r in kept]
         ids.append([r.kept_ids if h else void_ids for r, h in zip(kept, has)])
         logps.append([r.kept_logps if h else void_logps for r, h in zip(kept, has)])

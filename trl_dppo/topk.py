@@ -26,7 +26,13 @@ _CHUNK_BYTES = 4 * 2**20
 def check_topk_support(causal_lm: torch.nn.Module) -> None:
     """Raise if the model's logits are not `lm_head(h)` alone, or if the LM head carries an adapter."""
     config = causal_lm.config.get_text_config()
-    for name in ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
+    for name in (
+        "final_logit_softcapping",
+        "logit_scale",
+        "output_multiplier",
+        "lm_head_multiplier",
+        "logits_scaling",
+    ):
         value = getattr(config, name, None)
         if value is not None and value != 1.0:
             raise ValueError(
