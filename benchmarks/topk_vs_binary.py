@@ -11,6 +11,7 @@ Writes benchmarks/results/topk_vs_binary.{json,md}.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -38,28 +39,38 @@ def tiny_model(path: Path) -> str:
     return str(path)
 
 
+MODELS = {"smollm2": "SmolLM2-135M-Instruct", "tiny": "tiny model (2 layers, hidden 64)"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     args = parser.parse_args()
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
-    tiny = tiny_model(Path("/tmp/trl-dppo-bench-tiny"))
-    texts = [
-        "# topk_kl (K=20) vs binary_tv (transformers generation, LoRA r=16, CPU)\n",
-        f"Median of {args.repeats} interleaved trials per variant, each in a fresh process; "
-        "8 completions x 32 tokens per step. Budget for the kept sets: 8 x 32 x 21 x 8 bytes = 0.04 MB.\n",
-    ]
-    for label, model in (("SmolLM2-135M-Instruct", SMOLLM2), ("tiny model (2 layers, hidden 64)", tiny)):
+    for name in args.models:
+        model = SMOLLM2 if name == "smollm2" else tiny_model(Path("/tmp/trl-dppo-bench-tiny"))
         variants = {
             "binary_tv": dict(trainer="dppo", model=model, config=CONFIG, warmup=1, steps=4, profile_memory=True),
             "topk_kl K=20": dict(trainer="dppo", model=model, config=TOPK, warmup=1, steps=4, profile_memory=True),
         }
-        name = "smollm2" if model == SMOLLM2 else "tiny"
-        summary = run_variants(variants, args.repeats, out / f"topk_vs_binary_{name}.json")
+        run_variants(variants, args.repeats, out / f"topk_vs_binary_{name}.json")
+    # The report covers every model measured so far (a model can be rerun alone with --models)
+    texts = [
+        "# topk_kl (K=20) vs binary_tv (transformers generation, LoRA r=16, CPU)\n",
+        "Median of interleaved trials per variant (count in the JSON), each in a fresh process; 8 completions x 32 "
+        "tokens per step. Budget for the kept sets: 8 x 32 x 21 x 8 bytes = 0.04 MB.\n",
+    ]
+    for name, label in MODELS.items():
+        path = out / f"topk_vs_binary_{name}.json"
+        if not path.exists():
+            continue
+        summary = json.loads(path.read_text())
         extra = summary["topk_kl K=20"]["peak_step_tensor_mb"] - summary["binary_tv"]["peak_step_tensor_mb"]
+        trials = len(summary["binary_tv"]["step_times_s"])
         texts.append(
-            f"\n## {label}\n\n{markdown_table(summary, 'binary_tv')}\n\n"
+            f"\n## {label} ({trials} trial(s) per variant)\n\n{markdown_table(summary, 'binary_tv')}\n\n"
             f"Extra peak tensor memory of top-K in the profiled step: {extra:.3f} MB\n"
         )
     (out / "topk_vs_binary.md").write_text("\n".join(texts))
