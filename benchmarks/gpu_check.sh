@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check (about 5-8 minutes on one H200-class GPU): DPPOTrainer against GRPOTrainer with its
-# importance-sampling correction, vLLM colocate on CUDA, then the stability ladder's short run. Needs a CUDA machine
+# importance-sampling correction, and DPPO with top-K, vLLM colocate on CUDA. Needs a CUDA machine
 # with this package installed with vLLM (`pip install -e ".[vllm,examples]"`) and the model reachable: set MODEL to a
 # local folder when the hub is not reachable (default: the embedded SmolLM2-135M-Instruct, converted offline).
 #
