@@ -30,16 +30,7 @@ def run_variants(variants: dict[str, dict], repeats: int, out_json: Path) -> dic
     for rep in range(repeats):
         for name, spec in variants.items():
             started = time.time()
-            proc = subprocess.run(
-                [sys.executable, __file__, json.dumps(spec)],
-                capture_output=True,
-                text=True,
-                cwd=ROOT,
-                env={**os.environ, **TRIAL_ENV},
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(f"trial {name} failed:\n{proc.stderr[-4000:]}")
-            trial = json.loads(proc.stdout.strip().splitlines()[-1])
+            trial = run_trial(name, spec)
             results[name].append(trial)
             print(
                 f"[rep {rep}] {name}: {trial['step_time_s']:.2f} s/step, peak RSS {trial['peak_rss_mb']:.0f} MB, "
@@ -62,6 +53,20 @@ def run_variants(variants: dict[str, dict], repeats: int, out_json: Path) -> dic
     }
     out_json.write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def run_trial(name: str, spec: dict) -> dict:
+    """One trial of `spec` in a fresh process; returns its measurements (see `_trial`)."""
+    proc = subprocess.run(
+        [sys.executable, __file__, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **TRIAL_ENV},
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"trial {name} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _trial(spec: dict) -> dict:
@@ -147,6 +152,8 @@ def _trial(spec: dict) -> dict:
         trainer.add_callback(ProfileOneStep())
 
     trainer.train()
+    if spec.get("log_history"):  # the whole run's logged metrics, for reward curves
+        Path(spec["log_history"]).write_text(json.dumps(trainer.state.log_history))
     step_times = [e["step_time"] for e in trainer.state.log_history if "step_time" in e][spec["warmup"] : measured]
     lengths = [e["completions/mean_length"] for e in trainer.state.log_history if "completions/mean_length" in e]
     return {
