@@ -13,7 +13,7 @@ Each run is the main job's own command (examples/dppo_math_lora.py) with the fla
 and runtime go to benchmarks/results/stability/logs/, then the report (reward.png, mismatch.png, staleness.png,
 results.md) is drawn from those logs. Runs already logged are skipped, so an interrupted study resumes.
 
-    .venv/bin/python benchmarks/stability.py --steps 60 --seeds 0          # about 45 minutes on 2 cores
+    .venv/bin/python benchmarks/stability.py --steps 60 --seeds 0 1        # about 80 minutes on 2 cores
     .venv/bin/python benchmarks/stability.py --report-only                 # redraw from the logs
     bash benchmarks/gpu_stability.sh                                       # the GPU profile (see that script)
 
