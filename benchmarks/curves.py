@@ -19,6 +19,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from trl_dppo.plots import moving_average, series
+
 KEPT_METRICS = (
     "step",
     "reward",
@@ -41,17 +43,6 @@ def trim(log_history: Log) -> list[dict[str, Any]]:
     return [{k: e[k] for k in KEPT_METRICS if k in e} for e in log_history if "loss" in e]
 
 
-def series(log: Log, key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of the entries that carry `key`."""
-    pairs = [(int(e["step"]), float(e[key])) for e in log if isinstance(e.get(key), (int, float))]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
-
-
-def moving_average(values: Sequence[float], window: int) -> list[float]:
-    """Trailing mean over up to `window` values."""
-    return [statistics.fmean(values[max(0, i + 1 - window) : i + 1]) for i in range(len(values))]
-
-
 def mean_of(log: Log, key: str, first: int | None = None, last: int | None = None) -> float | None:
     """Mean of `key` over its first or last `n` logged values (all of them when neither is given)."""
     _, values = series(log, key)
@@ -68,7 +59,7 @@ def steps_to_level(log: Log, level: float, window: int = 3) -> int | None:
     averages = moving_average(values, window)
     for step, value in list(zip(steps, averages))[window - 1 :]:
         if value >= level:
-            return step
+            return int(step)
     return None
 
 

@@ -34,6 +34,8 @@ from pathlib import Path
 from curves import fmt, load_runs, mean_of, moving_average, plot_metric, save_run, series
 from harness import ROOT, TRIAL_ENV
 
+from trl_dppo.plots import load_log_history
+
 RESULTS = ROOT / "benchmarks" / "results"
 RUNS = ROOT / "runs"  # full outputs (adapters, logs); not committed
 ENV = {**TRIAL_ENV, "VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -95,8 +97,6 @@ def run(profile: str, model: str | None, method: str, steps: int, seed: int) -> 
         )
     if proc.returncode != 0:
         raise RuntimeError(f"{method} seed {seed} failed; see {run_dir.with_suffix('.log')}")
-    from trl_dppo.plots import load_log_history
-
     history = load_log_history(run_dir)
     save_run(log_path, history, command=shlex.join(cmd), seed=seed, runtime_s=round(time.time() - started))
     print(f"{method} seed {seed}: {time.time() - started:.0f} s", flush=True)

@@ -30,7 +30,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from .trainer import MU_BUCKETS  # noqa: E402  (labels of the `tokens_by_mu/<label>/...` metrics)
 
-__all__ = ["MU_BUCKETS", "bucket_means", "load_log_history", "main", "plot_run"]
+__all__ = ["MU_BUCKETS", "bucket_means", "load_log_history", "main", "moving_average", "plot_run", "series"]
 
 
 LogHistory = Sequence[Mapping[str, Any]]
@@ -65,7 +65,7 @@ def load_log_history(path: str | Path) -> list[dict[str, Any]]:
     return history
 
 
-def _series(history: LogHistory, key: str) -> tuple[list[float], list[float]]:
+def series(history: LogHistory, key: str) -> tuple[list[float], list[float]]:
     """(steps, values) of the training-log entries that carry ``key``."""
     pairs = [
         (float(entry.get("step", i)), float(entry[key]))
@@ -75,7 +75,8 @@ def _series(history: LogHistory, key: str) -> tuple[list[float], list[float]]:
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def _moving_average(values: Sequence[float], window: int) -> list[float]:
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over up to `window` values."""
     out, total = [], 0.0
     for i, value in enumerate(values):
         total += value
@@ -95,13 +96,13 @@ def _finish(fig: plt.Figure, ax: plt.Axes, path: Path) -> Path:
 
 
 def plot_reward(history: LogHistory, path: Path) -> Path | None:
-    steps, reward = _series(history, "reward")
+    steps, reward = series(history, "reward")
     if not steps:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, reward, ".", alpha=0.45, color="tab:blue", label="reward (steps that logged one)")
     window = max(1, len(reward) // 10)
-    ax.plot(steps, _moving_average(reward, window), color="tab:blue", lw=2, label=f"moving average ({window} points)")
+    ax.plot(steps, moving_average(reward, window), color="tab:blue", lw=2, label=f"moving average ({window} points)")
     ax.set(title="Mean reward per step", xlabel="optimizer step", ylabel="mean reward")
     return _finish(fig, ax, path)
 
@@ -115,7 +116,7 @@ def plot_masked_fraction(history: LogHistory, path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 4))
     plotted = False
     for label, (key, color, style) in keys.items():
-        steps, values = _series(history, key)
+        steps, values = series(history, key)
         if steps:
             ax.plot(steps, values, style, color=color, marker=".", label=label)
             plotted = True
@@ -138,7 +139,7 @@ def plot_mismatch(history: LogHistory, path: Path) -> Path | None:
         (r"mean $|\pi - \mu|$", "mismatch/abs_prob_diff_mean", "tab:blue"),
         (r"max $|\pi - \mu|$", "mismatch/abs_prob_diff_max", "tab:orange"),
     ):
-        steps, values = _series(history, key)
+        steps, values = series(history, key)
         points = [(s, v) for s, v in zip(steps, values) if v > 0]  # a log axis cannot show zeros
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", color=color, label=label)
@@ -161,7 +162,7 @@ def bucket_means(history: LogHistory) -> dict[str, dict[str, float]] | None:
     for bucket in MU_BUCKETS:
         row = {}
         for kind in ("total", "masked", "ppo_clipped"):
-            _, values = _series(history, f"tokens_by_mu/{bucket}/{kind}")
+            _, values = series(history, f"tokens_by_mu/{bucket}/{kind}")
             row[kind] = sum(values) / len(values) if values else float("nan")
         means[bucket] = row
     if all(math.isnan(row["total"]) for row in means.values()):  # the metrics are absent
