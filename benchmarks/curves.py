@@ -16,10 +16,12 @@ from typing import Any
 
 import matplotlib
 
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from trl_dppo.plots import moving_average, series
+
 
 KEPT_METRICS = (
     "step",
@@ -57,7 +59,7 @@ def steps_to_level(log: Log, level: float, window: int = 3) -> int | None:
     """
     steps, values = series(log, "reward")
     averages = moving_average(values, window)
-    for step, value in list(zip(steps, averages))[window - 1 :]:
+    for step, value in list(zip(steps, averages, strict=True))[window - 1 :]:
         if value >= level:
             return int(step)
     return None
@@ -85,7 +87,7 @@ def plot_metric(
             for steps, values in curves:
                 ax.plot(steps, values, color=color, alpha=0.3, linewidth=0.8)
         common = sorted(set.intersection(*(set(s) for s, _ in curves)))
-        by_step = [dict(zip(s, v)) for s, v in curves]
+        by_step = [dict(zip(s, v, strict=True)) for s, v in curves]
         mean = [statistics.fmean(d[step] for d in by_step) for step in common]
         label = method if len(curves) == 1 else f"{method} (mean of {len(curves)} seeds)"
         ax.plot(common, mean, color=color, linestyle=style, linewidth=2, label=label)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from harness import SMOLLM2, markdown_table, run_variants
 
+
 # Every completion is 32 tokens long (no early end of sequence), so the variants generate the same amount
 BASE = dict(
     per_device_train_batch_size=8,

@@ -25,6 +25,7 @@ from pathlib import Path
 from curves import fmt, load_runs, mean_of, plot_metric, save_run, steps_to_level
 from harness import ROOT, SMOLLM2, run_trial
 
+
 OUT = ROOT / "benchmarks" / "results" / "efficiency"
 MAIN_JOB = dict(
     per_device_train_batch_size=8,

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = "SmolLM2-135M-Instruct"
 # Passive OpenMP waiting: spinning threads slow CPU matmuls 10-20x whenever another process shares the cores

@@ -36,6 +36,7 @@ from harness import ROOT, TRIAL_ENV
 
 from trl_dppo.plots import load_log_history
 
+
 RESULTS = ROOT / "benchmarks" / "results"
 RUNS = ROOT / "runs"  # full outputs (adapters, logs); not committed
 ENV = {**TRIAL_ENV, "VLLM_CPU_KVCACHE_SPACE": "2"}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from harness import ROOT, SMOLLM2, markdown_table, run_variants
 
+
 # Every completion is 32 tokens long (no early end of sequence), so the variants generate the same amount
 CONFIG = dict(
     per_device_train_batch_size=8,
@@ -31,6 +32,7 @@ TOPK = dict(CONFIG, divergence="topk_kl", topk=20)
 def tiny_model(path: Path) -> str:
     sys.path.insert(0, str(ROOT))
     from tests.conftest import build_tiny_model
+
     from trl_dppo.default_model import smollm2_tokenizer
 
     tokenizer = smollm2_tokenizer()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from harness import SMOLLM2, markdown_table, run_variants
 
+
 VLLM = dict(
     per_device_train_batch_size=8,
     num_generations=8,

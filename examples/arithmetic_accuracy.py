@@ -13,6 +13,7 @@ import argparse
 import os
 import time
 
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see dppo_math_lora.py
 
@@ -74,7 +75,8 @@ def main() -> None:
         completion_ids = output[:, inputs["input_ids"].shape[1] :]
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         rewards += exact_answer_reward(texts, batch["answer"])
-        for prompt, text, answer in list(zip(batch["prompt"], texts, batch["answer"]))[: max(0, args.show - i)]:
+        shown = list(zip(batch["prompt"], texts, batch["answer"], strict=True))[: max(0, args.show - i)]
+        for prompt, text, answer in shown:
             print(f"{prompt[-1]['content']!r} [{answer}] -> {text!r}")
         lengths += (completion_ids != tokenizer.pad_token_id).sum(1).tolist()
     accuracy = sum(rewards) / len(rewards)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 import torch
 from datasets import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 from trl_dppo.default_model import smollm2_tokenizer
 
@@ -62,3 +63,24 @@ def prompts():
 def length_reward(completions, **kwargs):
     """A reward with spread within each group, so advantages are non-zero."""
     return [float(len(c[0]["content"]) % 5) for c in completions]
+
+
+@pytest.fixture(scope="session")
+def reward_model_dir(tokenizer, tmp_path_factory) -> str:
+    """A tiny random sequence-classification Llama with one output and SmolLM2's tokenizer (chat template)."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-reward-model")
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

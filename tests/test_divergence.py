@@ -13,6 +13,7 @@ import torch
 
 from trl_dppo.divergence import binary_divergence, topk_divergence, trust_region_mask
 
+
 NEG_INF = -math.inf
 
 

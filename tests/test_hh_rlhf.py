@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+from transformers import AutoTokenizer, LlamaForSequenceClassification
 
 from trl_dppo.hh_rlhf import (
     HH_PLAIN_TEMPLATE,
@@ -23,6 +21,7 @@ from trl_dppo.hh_rlhf import (
     parse_hh_dialogue,
 )
 
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared/data/hh-rlhf/harmless-base-test.jsonl.gz"
 # CI lays shared/ beside the clone, so there a missing sample fails the smoke test instead of skipping it
@@ -32,32 +31,7 @@ needs_data = pytest.mark.skipif(
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("hh_rlhf_lora", REPO / "examples/hh_rlhf_lora.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def reward_model_dir(tokenizer, tmp_path_factory) -> str:
-    """A tiny random sequence-classification Llama with one output and SmolLM2's tokenizer (chat template)."""
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-reward-model")
-    LlamaForSequenceClassification(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return importlib.import_module("trl_dppo.scripts.hh_rlhf_lora")
 
 
 def test_parse_hh_dialogue() -> None:

@@ -14,6 +14,7 @@ import pytest
 from trl_dppo.arithmetic import arithmetic_dataset, exact_answer_reward, extract_final_number
 from trl_dppo.script_utils import summarize_log_history
 
+
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY_KEYS = {"reward_first", "reward_last", "steps", "masked_fraction_mean", "model", "seed", "runtime_s"}
 
@@ -59,7 +60,7 @@ def test_arithmetic_dataset_is_deterministic_and_correct() -> None:
     data = arithmetic_dataset(50, seed=3, num_operands=3, operators="+-*", max_value=12)
     assert data["answer"] == arithmetic_dataset(50, seed=3, num_operands=3, operators="+-*", max_value=12)["answer"]
     assert data["answer"] != arithmetic_dataset(50, seed=4, num_operands=3, operators="+-*", max_value=12)["answer"]
-    for prompt, answer in zip(data["prompt"], data["answer"]):
+    for prompt, answer in zip(data["prompt"], data["answer"], strict=True):
         assert [m["role"] for m in prompt] == ["system", "user"]
         expression = prompt[-1]["content"].split("What is ")[1].split("?")[0]
         assert eval(expression) == int(answer) >= 0  # Python's precedence is the intended one

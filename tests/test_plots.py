@@ -13,6 +13,7 @@ import pytest
 
 from trl_dppo.plots import MU_BUCKETS, PLOTS, bucket_means, load_log_history, plot_run
 
+
 PNG_NAMES = sorted(PLOTS)
 
 

@@ -73,7 +73,7 @@ def test_trainer_and_sampler_kept_sets_agree_at_learning_rate_zero(tmp_path, tin
     finally:
         trainer_module.topk_logps_from_hidden = original
     assert len(captured) == len(seen) > 0
-    for trainer_kept, (_, _, mask, inputs) in zip(captured, seen):
+    for trainer_kept, (_, _, mask, inputs) in zip(captured, seen, strict=True):
         sampler_kept = inputs["sampler_kept_logps"]
         ids = inputs["sampler_kept_ids"]
         assert ids.shape[-1] == 6

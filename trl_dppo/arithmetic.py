@@ -18,6 +18,7 @@ from typing import Any
 
 from datasets import Dataset
 
+
 __all__ = [
     "QUESTION_TEMPLATE",
     "SYSTEM_PROMPT",
@@ -39,14 +40,14 @@ def _evaluate(operands: Sequence[int], operators: Sequence[str]) -> int:
     """Evaluate with the usual precedence (``*`` before ``+``/``-``), left to right otherwise."""
     terms: list[int] = [operands[0]]
     signs: list[str] = []
-    for op, value in zip(operators, operands[1:]):
+    for op, value in zip(operators, operands[1:], strict=True):
         if op == "*":
             terms[-1] = terms[-1] * value
         else:
             signs.append(op)
             terms.append(value)
     result = terms[0]
-    for op, value in zip(signs, terms[1:]):
+    for op, value in zip(signs, terms[1:], strict=True):
         result = _OPERATORS[op](result, value)
     return result
 
@@ -94,7 +95,9 @@ def arithmetic_dataset(
         result = _evaluate(operands, ops)
         if result < 0 and not allow_negative:
             continue
-        expression = " ".join([str(operands[0])] + [f"{op} {value}" for op, value in zip(ops, operands[1:])])
+        expression = " ".join(
+            [str(operands[0])] + [f"{op} {value}" for op, value in zip(ops, operands[1:], strict=True)]
+        )
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         messages.append({"role": "user", "content": QUESTION_TEMPLATE.format(expression=expression)})
         prompts.append(messages)

@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from trl import GRPOConfig
 
 from .losses import TRUST_REGIONS
 
-__all__ = ["DPPOConfig", "DIVERGENCES", "DEFAULT_DELTA"]
+
+__all__ = ["DPPOConfig", "DIVERGENCES", "DEFAULT_DELTA", "EXPERIMENTAL_DPPO_RENAMES"]
 
 DIVERGENCES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl")
 # The paper's stability-test thresholds; its large runs used 0.2 for TV.
 DEFAULT_DELTA = {"tv": 0.15, "kl": 0.05}
 # Loss types whose only role is normalisation: GRPOTrainer's `cispo`, `sapo` and `vespo` are trust regions of their own.
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# trl.experimental.dppo's DPPOConfig (TRL 1.0-1.8) -> this package's field of the same meaning. There, `epsilon` and
+# `epsilon_high` were the thresholds delta_low / delta_high; here they keep GRPOConfig's meaning (PPO's ratio clip).
+EXPERIMENTAL_DPPO_RENAMES = {"divergence_type": "divergence", "divergence_topk": "topk", "clip_ratio_c": "ratio_cap"}
+# Trust regions that read GRPOConfig's `epsilon` / `epsilon_high` as their ratio clip
+_EPSILON_CLIPS = ("grpo", "minirl")
 
 
 @dataclass
@@ -112,6 +120,38 @@ class DPPOConfig(GRPOConfig):
         },
     )
 
+    def __new__(cls, *args, **kwargs):
+        # The dataclass __init__ would fail on an old name with a bare "unexpected keyword" TypeError
+        renamed = {old: EXPERIMENTAL_DPPO_RENAMES[old] for old in kwargs if old in EXPERIMENTAL_DPPO_RENAMES}
+        if renamed:
+            hints = ", ".join(f"`{old}` is now `{new}`" for old, new in renamed.items())
+            raise TypeError(
+                f"DPPOConfig got trl.experimental.dppo's argument names: {hints}. See the README's migration section."
+            )
+        return super().__new__(cls)
+
+    @classmethod
+    def from_grpo_config(cls, config: GRPOConfig, **dppo_fields: Any) -> DPPOConfig:
+        """Build a DPPOConfig from a [`~trl.GRPOConfig`], with `dppo_fields` (e.g. `divergence`, `delta`) on top.
+
+        Every setting of `config` carries over except the ones DPPO replaces: vLLM's importance-sampling correction
+        (off, see above), and `generation_batch_size`, which GRPOConfig derived from `steps_per_generation` or the
+        other way round (the step count is kept). GRPO's `delta` (a two-sided ratio clip) is refused because
+        DPPOConfig's `delta` is the divergence threshold. Settings that contradict DPPO raise DPPOConfig's errors.
+        """
+        if type(config) is not GRPOConfig:
+            raise TypeError(f"from_grpo_config takes a GRPOConfig, got {type(config).__name__}.")
+        if config.delta is not None:
+            raise ValueError(
+                f"GRPOConfig.delta={config.delta} is GRPO's two-sided ratio clip, which DPPO does not use; "
+                "DPPOConfig.delta is the divergence threshold. Set delta=None on the GRPOConfig and pass DPPO's "
+                "threshold as from_grpo_config(config, delta=...)."
+            )
+        replaced = {"vllm_importance_sampling_correction", "generation_batch_size", "delta"}
+        # Read the attributes, not to_dict(): that one writes tokens as placeholders and enums as strings
+        settings = {f.name: getattr(config, f.name) for f in fields(config) if f.init and f.name not in replaced}
+        return cls(**{**settings, **dppo_fields})
+
     def __post_init__(self):
         if self.trust_region not in TRUST_REGIONS:
             raise ValueError(f"trust_region must be one of {TRUST_REGIONS}, got {self.trust_region!r}.")
@@ -142,6 +182,17 @@ class DPPOConfig(GRPOConfig):
             raise ValueError(f"topk must be a positive integer, got {self.topk!r}.")
         if self.ratio_cap is not None and not self.ratio_cap >= 1:
             raise ValueError(f"ratio_cap must be >= 1 or None (no cap), got {self.ratio_cap}.")
+        if self.trust_region not in _EPSILON_CLIPS and (
+            self.epsilon != GRPOConfig.epsilon or self.epsilon_high is not None
+        ):
+            warnings.warn(
+                f"epsilon={self.epsilon}, epsilon_high={self.epsilon_high}: with trust_region={self.trust_region!r} "
+                "PPO's ratio clip only sets what the diagnostics compare DPPO's mask against (the `ppo_clipped` "
+                "metrics); it is not DPPO's threshold. trl.experimental.dppo used epsilon / epsilon_high as the "
+                "thresholds: set delta_low / delta_high (or delta) instead.",
+                UserWarning,
+                stacklevel=3,
+            )
 
         if self.vllm_importance_sampling_correction:
             raise ValueError(

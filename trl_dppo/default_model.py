@@ -24,6 +24,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+
 __all__ = ["DIVERGENCE_KINDS", "binary_divergence", "topk_divergence", "trust_region_mask"]
 
 DIVERGENCE_KINDS = ("tv", "kl")

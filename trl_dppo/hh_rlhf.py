@@ -20,6 +20,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+
 __all__ = [
     "HH_PLAIN_TEMPLATE",
     "REWARD_MODEL_HINT",
@@ -53,7 +54,7 @@ def parse_hh_dialogue(text: str) -> list[dict[str, str]]:
     parts = _TURN.split(text if text.startswith("\n\n") else "\n\n" + text)
     messages: list[dict[str, str]] = []
     # parts = [text before the first marker, role, content, role, content, ...]
-    for speaker, content in zip(parts[1::2], parts[2::2]):
+    for speaker, content in zip(parts[1::2], parts[2::2], strict=True):
         role, content = _ROLES[speaker], content.strip()
         if messages and messages[-1]["role"] == role:
             messages[-1]["content"] = f"{messages[-1]['content']}\n\n{content}".strip()

@@ -12,6 +12,7 @@ import torch
 
 from .divergence import binary_divergence, trust_region_mask
 
+
 __all__ = [
     "TRUST_REGIONS",
     "dppo_gradient_weights",

@@ -25,10 +25,12 @@ from typing import Any
 
 import matplotlib
 
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from .trainer import MU_BUCKETS  # noqa: E402  (labels of the `tokens_by_mu/<label>/...` metrics)
+
 
 __all__ = ["MU_BUCKETS", "bucket_means", "load_log_history", "main", "moving_average", "plot_run", "series"]
 
@@ -140,7 +142,7 @@ def plot_mismatch(history: LogHistory, path: Path) -> Path | None:
         (r"max $|\pi - \mu|$", "mismatch/abs_prob_diff_max", "tab:orange"),
     ):
         steps, values = series(history, key)
-        points = [(s, v) for s, v in zip(steps, values) if v > 0]  # a log axis cannot show zeros
+        points = [(s, v) for s, v in zip(steps, values, strict=True) if v > 0]  # a log axis cannot show zeros
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", color=color, label=label)
             plotted = True
@@ -178,7 +180,7 @@ def plot_tokens_by_mu(history: LogHistory, path: Path) -> Path | None:
     total = [means[b]["total"] for b in MU_BUCKETS]
     masked = [means[b]["masked"] for b in MU_BUCKETS]
     clipped = [means[b]["ppo_clipped"] for b in MU_BUCKETS]
-    kept = [t - m for t, m in zip(total, masked)]
+    kept = [t - m for t, m in zip(total, masked, strict=True)]
     width = 0.27
     fig, (ax_counts, ax_frac) = plt.subplots(1, 2, figsize=(13, 4.8))
     bars = (
@@ -195,7 +197,7 @@ def plot_tokens_by_mu(history: LogHistory, path: Path) -> Path | None:
         ylabel="tokens per micro-batch (run mean, symlog)",
     )
     for label, values, color, offset in bars[1:]:
-        fractions = [v / t if t > 0 else 0.0 for v, t in zip(values, total)]
+        fractions = [v / t if t > 0 else 0.0 for v, t in zip(values, total, strict=True)]
         ax_frac.bar([i + offset - width / 2 for i in x], fractions, width, label=label, color=color)
     ax_frac.set(
         title="Share of each bucket blocked: DPPO mask vs PPO clip",

@@ -7,8 +7,10 @@ The summary is what a run leaves behind for later comparison and plotting: ``log
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -17,16 +19,20 @@ from typing import Any
 
 import torch
 
-from .default_model import DEFAULT_MODEL
+from .default_model import DEFAULT_MODEL, resolve_model
+
 
 __all__ = [
     "COMMON_DEFAULTS",
     "device_defaults",
     "format_summary",
     "parse_with_defaults",
+    "quantization_config_for",
+    "resolve_offline_default",
     "set_model_init_kwargs",
     "summarize_log_history",
     "train_and_report",
+    "use_hub_offline",
     "write_run_outputs",
 ]
 
@@ -73,6 +79,52 @@ def set_model_init_kwargs(training_args: Any, model_args: Any) -> None:
         "revision": model_args.model_revision,
         **(training_args.model_init_kwargs or {}),
     }
+
+
+def quantization_config_for(model_args: Any) -> Any:
+    """ModelConfig's ``--load_in_4bit`` / ``--load_in_8bit`` as a BitsAndBytesConfig (QLoRA), or ``None``.
+
+    bitsandbytes quantizes on CUDA GPUs; on a machine without one the flags are refused here, before anything loads,
+    rather than failing deep inside model loading.
+    """
+    if not (model_args.load_in_4bit or model_args.load_in_8bit):
+        return None
+    flag = "--load_in_4bit" if model_args.load_in_4bit else "--load_in_8bit"
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"{flag} quantizes the policy with bitsandbytes, which needs a CUDA GPU; this machine has none. Drop "
+            f"{flag} (LoRA then trains on the unquantized model) or run on a GPU."
+        )
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError(f"{flag} needs bitsandbytes: pip install bitsandbytes (or drop {flag}).")
+    from trl import get_quantization_config
+
+    return get_quantization_config(model_args)
+
+
+def use_hub_offline() -> None:
+    """Keep this process and its children (vLLM, dataloader workers) off the Hugging Face Hub.
+
+    For runs that need nothing from the hub, such as the embedded default model, so that an unreachable hub costs no
+    time-outs. huggingface_hub and datasets read HF_HUB_OFFLINE once, at import, hence their flags are set as well.
+    """
+    import datasets
+    import huggingface_hub
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    datasets.config.HF_HUB_OFFLINE = True
+
+
+def resolve_offline_default(name_or_path: str) -> str:
+    """`resolve_model`, and for the embedded default model the run goes off the hub (see `use_hub_offline`).
+
+    Any other model (a hub id or a folder) leaves the hub settings as the user has them (HF_HUB_OFFLINE).
+    """
+    path = resolve_model(name_or_path)
+    if path != name_or_path:
+        use_hub_offline()
+    return path
 
 
 def parse_with_defaults(parser: Any, defaults: Mapping[str, Any], args: Sequence[str] | None = None) -> tuple:

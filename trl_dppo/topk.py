@@ -17,6 +17,7 @@ import math
 
 import torch
 
+
 __all__ = ["check_topk_support", "topk_logps_from_hidden"]
 
 # Per chunk, the gathered LM-head rows take positions x (K + 2) x hidden x 4 bytes; this bounds that transient.

@@ -25,14 +25,16 @@ from __future__ import annotations
 import functools
 import json
 import os
+import textwrap
 from collections import Counter
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from .config import DPPOConfig
@@ -46,6 +48,13 @@ from .rollout import (
     sync_weights_in_place,
 )
 from .topk import check_topk_support, topk_logps_from_hidden
+
+
+if TYPE_CHECKING:
+    from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+    from peft import PeftConfig, PeftModel
+    from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
+    from trl.trainer.grpo_trainer import EnvironmentFactory, RewardFunc, RolloutFunc
 
 __all__ = ["DPPOTrainer", "MU_BUCKETS"]
 
@@ -96,17 +105,64 @@ class DPPOTrainer(GRPOTrainer):
 
     _tag_names = ["trl", "dppo"]
     _name = "DPPO"
+    _paper = {
+        "title": "Rethinking the Trust Region in LLM Reinforcement Learning",
+        "id": "2602.04879",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @article{qi2026rethinking,
+                title        = {{Rethinking the Trust Region in LLM Reinforcement Learning}},
+                author       = {Penghui Qi and Xiangxin Zhou and Zichen Liu and Tianyu Pang and Chao Du and Min Lin and Wee Sun Lee},
+                year         = 2026,
+                eprint       = {arXiv:2602.04879},
+            }"""),
+    }
 
-    def __init__(self, model, reward_funcs, args: DPPOConfig | None = None, *pargs, **kwargs):
+    # GRPOTrainer's parameters, spelled out so IDEs and docs show them; all of them go to GRPOTrainer unchanged
+    def __init__(
+        self,
+        model: str | PreTrainedModel | PeftModel,
+        reward_funcs: RewardFunc | list[RewardFunc] | None = None,
+        args: DPPOConfig | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset
+        | IterableDataset
+        | DatasetDict
+        | IterableDatasetDict
+        | dict[str, Dataset | IterableDataset]
+        | None = None,
+        processing_class: PreTrainedTokenizerBase | ProcessorMixin | None = None,
+        reward_processing_classes: PreTrainedTokenizerBase | list[PreTrainedTokenizerBase] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        quantization_config: BitsAndBytesConfig | None = None,
+        peft_config: PeftConfig | None = None,
+        tools: list[Callable] | None = None,
+        rollout_func: RolloutFunc | None = None,
+        environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory] | None = None,
+    ):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = DPPOConfig(f"{name.split('/')[-1]}-DPPO")
         if not isinstance(args, DPPOConfig):
-            raise TypeError(
-                f"DPPOTrainer needs a DPPOConfig, got {type(args).__name__}: build it with "
-                "`DPPOConfig(**your_grpo_config.to_dict())` or pass the DPPO fields there."
-            )
-        super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+            fix = "DPPOConfig.from_grpo_config(your_config)" if isinstance(args, GRPOConfig) else "a DPPOConfig"
+            raise TypeError(f"DPPOTrainer needs a DPPOConfig, got {type(args).__name__}: pass {fix}.")
+        super().__init__(
+            model,
+            reward_funcs,
+            args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+            tools=tools,
+            rollout_func=rollout_func,
+            environment_factory=environment_factory,
+        )
         self.kind = args.divergence.split("_")[1]
         self.topk = args.topk if args.divergence.startswith("topk") else 0
         if self.topk:

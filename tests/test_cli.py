@@ -1,0 +1,124 @@
+"""The `trl-dppo` command: its subcommands, TRL-style flags and `--config` recipes, and the scripts' model options."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import datasets
+import huggingface_hub
+import pytest
+import torch
+
+from trl_dppo.cli import COMMANDS, main
+from trl_dppo.default_model import DEFAULT_MODEL
+from trl_dppo.script_utils import parse_with_defaults, resolve_offline_default
+from trl_dppo.scripts import dppo_math_lora, hh_rlhf_lora
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_console_script_is_declared():
+    assert 'trl-dppo = "trl_dppo.cli:main"' in (REPO / "pyproject.toml").read_text()
+
+
+def test_help_lists_the_shipped_jobs(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert set(COMMANDS) == {"math", "hh-rlhf", "plot"}
+    assert all(re.search(rf"^\s+{name}\s+\S", out, re.M) for name in COMMANDS)
+
+
+def test_a_jobs_help_lists_trl_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["math", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: trl-dppo math")
+    for flag in ("--divergence", "--delta", "--use_vllm", "--load_in_4bit", "--num_operands"):
+        assert flag in out
+
+
+def test_math_runs_two_steps_offline_on_the_default_model(tmp_path, monkeypatch):
+    """The embedded default model needs nothing from the hub, so the run switches the hub off itself."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    out = tmp_path / "run"
+    args = ["--max_steps", "2", "--num_examples", "16", "--num_generations", "4", "--per_device_train_batch_size", "4"]
+    main(["math", *args, "--max_completion_length", "6", "--lora_r", "4", "--output_dir", str(out)])
+    summary = json.loads((out / "dppo_summary.json").read_text())
+    assert summary["steps"] == 2 and summary["model"] == DEFAULT_MODEL
+    assert huggingface_hub.constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
+    assert (out / "adapter_config.json").is_file()
+
+
+def test_a_hub_model_leaves_the_hub_settings_alone(monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert resolve_offline_default("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+    assert huggingface_hub.constants.HF_HUB_OFFLINE is False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="bitsandbytes runs here")
+@pytest.mark.parametrize("flag", ["--load_in_4bit", "--load_in_8bit"])
+@pytest.mark.parametrize("command", ["math", "hh-rlhf"])
+def test_quantized_loading_is_refused_without_cuda(tmp_path, flag, command):
+    """QLoRA's bitsandbytes needs CUDA: refused before any model loads, instead of silently training unquantized."""
+    rest = ["--reward_model_name_or_path", "unused"] if command == "hh-rlhf" else []
+    with pytest.raises(ValueError, match=rf"{flag} quantizes the policy with bitsandbytes, which needs a CUDA GPU"):
+        main([command, flag, "true", *rest, "--output_dir", str(tmp_path)])
+
+
+def test_quantization_config_reaches_the_trainer(monkeypatch, tmp_path):
+    """With CUDA, --load_in_4bit becomes the trainer's quantization_config (the model load itself is not run here)."""
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_trainer(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    parsed = parse_with_defaults(
+        dppo_math_lora.make_parser(),
+        dppo_math_lora.cli_defaults(),
+        ["--load_in_4bit", "true", "--output_dir", str(tmp_path)],
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
+    monkeypatch.setattr(dppo_math_lora, "DPPOTrainer", fake_trainer)
+    with pytest.raises(Stop):
+        dppo_math_lora.main(*parsed)
+    assert seen["quantization_config"].load_in_4bit
+
+
+def settings(parsed_dataclass) -> dict:
+    """A parsed argument dataclass as a dict (a TrainingArguments' runtime state left out)."""
+    return parsed_dataclass.to_dict() if hasattr(parsed_dataclass, "to_dict") else vars(parsed_dataclass)
+
+
+def test_recipes_name_only_existing_arguments():
+    """The README's runs as YAML: the main job's recipe is the job's defaults; the HH one is the documented command."""
+    defaults = dppo_math_lora.cli_defaults()
+    math_recipe = parse_with_defaults(
+        dppo_math_lora.make_parser(), defaults, ["--config", str(REPO / "recipes/math_cpu.yaml")]
+    )
+    math_defaults = parse_with_defaults(dppo_math_lora.make_parser(), defaults, [])
+    assert list(map(settings, math_recipe)) == list(map(settings, math_defaults))
+
+    command = re.search(r"accelerate launch .*?--output_dir \S+", hh_rlhf_lora.__doc__, re.S).group(0)
+    args = shlex.split(command.replace("\\\n", " "))
+    args = args[args.index("examples/hh_rlhf_lora.py") + 1 :]
+    documented = parse_with_defaults(hh_rlhf_lora.make_parser(), hh_rlhf_lora.cli_defaults(), args)
+    hh_recipe = parse_with_defaults(
+        hh_rlhf_lora.make_parser(),
+        hh_rlhf_lora.cli_defaults(),
+        ["--config", str(REPO / "recipes/hh_rlhf_qwen3_4b_lora.yaml")],
+    )
+    assert list(map(settings, hh_recipe)) == list(map(settings, documented))
