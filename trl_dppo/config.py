@@ -134,12 +134,13 @@ class DPPOConfig(GRPOConfig):
     def from_grpo_config(cls, config: GRPOConfig, **dppo_fields: Any) -> DPPOConfig:
         """Build a DPPOConfig from a [`~trl.GRPOConfig`], with `dppo_fields` (e.g. `divergence`, `delta`) on top.
 
-        Every setting of `config` carries over except the ones DPPO replaces: vLLM's importance-sampling correction
-        (off, see above), and `generation_batch_size`, which GRPOConfig derived from `steps_per_generation` or the
-        other way round (the step count is kept). GRPO's `delta` (a two-sided ratio clip) is refused because
-        DPPOConfig's `delta` is the divergence threshold. Settings that contradict DPPO raise DPPOConfig's errors.
+        Every GRPOConfig setting of `config` carries over except the ones DPPO replaces: vLLM's importance-sampling
+        correction (off: DPPO runs no recomputation to correct), and `generation_batch_size`, which GRPOConfig derived
+        from `steps_per_generation` or the other way round (the step count is kept). GRPO's `delta` (a two-sided
+        ratio clip) is refused because DPPOConfig's `delta` is the divergence threshold. Settings that contradict
+        DPPO raise DPPOConfig's errors.
         """
-        if type(config) is not GRPOConfig:
+        if not isinstance(config, GRPOConfig):
             raise TypeError(f"from_grpo_config takes a GRPOConfig, got {type(config).__name__}.")
         if config.delta is not None:
             raise ValueError(
@@ -149,7 +150,7 @@ class DPPOConfig(GRPOConfig):
             )
         replaced = {"vllm_importance_sampling_correction", "generation_batch_size", "delta"}
         # Read the attributes, not to_dict(): that one writes tokens as placeholders and enums as strings
-        settings = {f.name: getattr(config, f.name) for f in fields(config) if f.init and f.name not in replaced}
+        settings = {f.name: getattr(config, f.name) for f in fields(GRPOConfig) if f.init and f.name not in replaced}
         return cls(**{**settings, **dppo_fields})
 
     def __post_init__(self):
