@@ -98,6 +98,15 @@ def test_quantization_config_reaches_the_trainer(monkeypatch, tmp_path):
     assert seen["quantization_config"].load_in_4bit
 
 
+def test_old_experimental_dppo_flags_name_the_new_ones(tmp_path):
+    config = tmp_path / "old.yaml"
+    config.write_text("clip_ratio_c: 20.0\n")
+    with pytest.raises(ValueError, match="--divergence_type is now --divergence"):
+        main(["math", "--divergence_type", "binary_kl"])
+    with pytest.raises(ValueError, match="--clip_ratio_c is now --ratio_cap"):
+        main(["math", "--config", str(config)])
+
+
 def settings(parsed_dataclass) -> dict:
     """A parsed argument dataclass as a dict (a TrainingArguments' runtime state left out)."""
     return parsed_dataclass.to_dict() if hasattr(parsed_dataclass, "to_dict") else vars(parsed_dataclass)

@@ -62,7 +62,10 @@ class DPPOConfig(GRPOConfig):
     GRPOConfig options that contradict DPPO are off by default here and rejected when set: vLLM's importance-sampling
     correction (it recomputes old log-probabilities, which DPPO does without), sequence-level importance sampling, the
     loss types that are trust regions of their own (`cispo`, `sapo`, `vespo`), the off-policy sequence mask, and transformers' continuous-batching generation (it records no per-token
-    log-probabilities). PPO's `epsilon` is not read by DPPO.
+    log-probabilities). PPO's `epsilon` / `epsilon_high` are not DPPO's thresholds: they set the ratio clip of
+    `trust_region="grpo"` / `"minirl"` and what the diagnostics count as PPO-clipped; set elsewhere they warn, since
+    `trl.experimental.dppo` used them as delta_low / delta_high. Its other names (`divergence_type`,
+    `divergence_topk`, `clip_ratio_c`) raise an error naming the field here; `from_grpo_config` converts a GRPOConfig.
     """
 
     trust_region: str = field(

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .config import EXPERIMENTAL_DPPO_RENAMES
 from .default_model import DEFAULT_MODEL, resolve_model
 
 
@@ -132,7 +133,7 @@ def parse_with_defaults(parser: Any, defaults: Mapping[str, Any], args: Sequence
 
     Precedence, lowest first: the dataclasses' own defaults, ``defaults``, the YAML file, the command line. GRPOConfig
     refuses both ``generation_batch_size`` and ``steps_per_generation``, so a default for one is dropped when the
-    user sets the other.
+    user sets the other. ``trl.experimental.dppo``'s argument names are refused with their new names.
     """
     args = list(sys.argv[1:] if args is None else args)
     given = {a[2:].split("=")[0].replace("-", "_") for a in args if a.startswith("--")}
@@ -141,6 +142,9 @@ def parse_with_defaults(parser: Any, defaults: Mapping[str, Any], args: Sequence
 
         with open(args[args.index("--config") + 1]) as f:
             given |= set(yaml.safe_load(f) or {})
+    renamed = [f"--{old} is now --{new}" for old, new in EXPERIMENTAL_DPPO_RENAMES.items() if old in given]
+    if renamed:
+        raise ValueError(f"trl.experimental.dppo's argument names: {', '.join(renamed)}.")
     defaults = dict(defaults)
     for chosen, dropped in _EXCLUSIVE:
         if chosen in given:
