@@ -8,7 +8,8 @@ With z = W h + b the LM head's logits and T the temperature,
 
 so K + 1 dot products per position, on the hidden state the forward pass already computed, give them exactly: no
 second forward pass and no full-vocabulary tensor. Models whose logits are not `W h + b` (logit scaling or
-softcapping) are rejected by `check_topk_support`.
+softcapping) are rejected by `check_topk_support`. `lm_head_kept_logps` is the trainer's entry point: it reads the
+head's weight outside the head's forward pass.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from __future__ import annotations
 import math
 
 import torch
+from trl.trainer.utils import maybe_gather_lm_head_ctx
 
-__all__ = ["check_topk_support", "topk_logps_from_hidden"]
+__all__ = ["check_topk_support", "lm_head_kept_logps", "topk_logps_from_hidden"]
 
 # Per chunk, the gathered LM-head rows take positions x (K + 2) x hidden x 4 bytes; this bounds that transient.
 _CHUNK_BYTES = 4 * 2**20
@@ -86,3 +88,18 @@ def topk_logps_from_hidden(
         out[start:end] = flat_logps[start:end, None] + (z[:, 1:] - z[:, :1]) / temperature
     out.masked_fill_(flat_kept < 0, -math.inf)
     return out.view(B, T, k)
+
+
+def lm_head_kept_logps(
+    head: torch.nn.Linear,
+    hidden: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    sampled_logps: torch.Tensor,
+    kept_ids: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """`topk_logps_from_hidden` with the weight and bias of the model's LM head `head`."""
+    with maybe_gather_lm_head_ctx(head.weight, head.bias):
+        return topk_logps_from_hidden(
+            hidden, head.weight, head.bias, sampled_ids, sampled_logps, kept_ids, temperature
+        )

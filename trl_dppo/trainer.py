@@ -33,7 +33,6 @@ import torch
 from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
 from trl import GRPOTrainer
-from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from .config import DPPOConfig
 from .divergence import binary_divergence, topk_divergence, trust_region_mask
@@ -45,7 +44,7 @@ from .rollout import (
     recording_generate,
     sync_weights_in_place,
 )
-from .topk import check_topk_support, topk_logps_from_hidden
+from .topk import check_topk_support, lm_head_kept_logps
 
 __all__ = ["DPPOTrainer", "MU_BUCKETS"]
 
@@ -238,18 +237,14 @@ class DPPOTrainer(GRPOTrainer):
         # Tokens outside the loss get a neutral anchor so that no NaN reaches the loss
         sampler_logps = torch.where(mask, inputs["sampling_per_token_logps"], trainer_logps)
         if self.topk:
-            causal_lm = self._causal_lm()
-            head = causal_lm.get_output_embeddings()
-            with maybe_gather_lm_head_ctx(head.weight, head.bias):
-                trainer_kept = topk_logps_from_hidden(
-                    hidden,
-                    head.weight,
-                    head.bias,
-                    inputs["completion_ids"],
-                    trainer_logps,
-                    inputs["sampler_kept_ids"],
-                    self.temperature,
-                )
+            trainer_kept = lm_head_kept_logps(
+                self._causal_lm().get_output_embeddings(),
+                hidden,
+                inputs["completion_ids"],
+                trainer_logps,
+                inputs["sampler_kept_ids"],
+                self.temperature,
+            )
             sampler_kept = inputs["sampler_kept_logps"].masked_fill(~mask[..., None], -float("inf"))
             trainer_kept = trainer_kept.masked_fill(~mask[..., None], -float("inf"))
             divergence = topk_divergence(sampler_kept, trainer_kept, self.kind)
