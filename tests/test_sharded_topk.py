@@ -8,17 +8,19 @@ the LM head (`lm_head_kept_logps`) runs on a model sharded the way FSDP2 shards 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from accelerate.utils import DistributedType
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_dppo.rollout import VOID_ID
-from trl_dppo.topk import lm_head_kept_logps
+from trl_dppo.topk import check_topk_sharding, lm_head_kept_logps
 
 WORLD_SIZE = 2
 
@@ -80,3 +82,11 @@ def test_kept_logps_read_from_an_fsdp2_sharded_head_equal_the_full_log_softmax(t
     """Each process holds half the vocabulary rows of the LM head (a DTensor); its kept-set log-probabilities, read
     outside the head's forward pass, still equal log_softmax of the full logits at the kept ids (K = 1 and 8)."""
     mp.spawn(_kept_logps_under_fsdp2, args=(str(tmp_path / "init"), (1, 8), 0.7), nprocs=WORLD_SIZE, join=True)
+
+
+def test_topk_under_fsdp1_is_refused_and_fsdp2_accepted():
+    with pytest.raises(ValueError, match="fsdp_version: 2"):
+        check_topk_sharding(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False))
+    check_topk_sharding(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=True))
+    check_topk_sharding(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, is_fsdp2=False))
+    check_topk_sharding(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, is_fsdp2=False))

@@ -44,7 +44,7 @@ from .rollout import (
     recording_generate,
     sync_weights_in_place,
 )
-from .topk import check_topk_support, lm_head_kept_logps
+from .topk import check_topk_sharding, check_topk_support, lm_head_kept_logps
 
 __all__ = ["DPPOTrainer", "MU_BUCKETS"]
 
@@ -110,6 +110,7 @@ class DPPOTrainer(GRPOTrainer):
         self.topk = args.topk if args.divergence.startswith("topk") else 0
         if self.topk:
             check_topk_support(self._causal_lm())
+            check_topk_sharding(self.accelerator)
         self._loss_inputs: dict[str, Any] | None = None  # set while a loss is computed
         self._scoring = False  # set while a generation batch is scored
         self._rollout_logprobs: list | None = None
