@@ -28,6 +28,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from trl_dppo import DPPOConfig, DPPOTrainer
+
 from .equivalence_worker import CONFIGS, TOPK, WORLD_ROWS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,3 +146,14 @@ def test_two_processes_make_the_same_update_and_log_the_same_metrics_as_one(runs
         for key, value in entry_one.items():
             assert entry_two[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     assert one["masked_token_counts"] == two["masked_token_counts"]
+
+
+def test_processes_that_would_each_train_alone_are_refused(monkeypatch, tmp_path, tiny_model_dir, prompts, tokenizer):
+    """A launcher started 2 processes, but without `use_cpu=True` accelerate finds no backend on a CPU machine."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = DPPOConfig(
+        output_dir=str(tmp_path), report_to="none", bf16=False, per_device_train_batch_size=4, num_generations=4
+    )
+    assert args.world_size == 1
+    with pytest.raises(RuntimeError, match="use_cpu=True"):
+        DPPOTrainer(tiny_model_dir, reward_funcs=[], args=args, train_dataset=prompts, processing_class=tokenizer)

@@ -109,6 +109,13 @@ class DPPOTrainer(GRPOTrainer):
                 f"DPPOTrainer needs a DPPOConfig, got {type(args).__name__}: build it with "
                 "`DPPOConfig(**your_grpo_config.to_dict())` or pass the DPPO fields there."
             )
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and args.world_size == 1:
+            raise RuntimeError(
+                f"{launched} processes were launched, but accelerate found no distributed backend for this device, so "
+                "each would train alone on the whole data. On a machine without GPUs set `use_cpu=True` in DPPOConfig "
+                "(`--use_cpu true`): the processes then train together over gloo."
+            )
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self.kind = args.divergence.split("_")[1]
         self.topk = args.topk if args.divergence.startswith("topk") else 0
