@@ -56,7 +56,7 @@ def local_generation_batch(batch: dict, steps_per_generation: int, rank: int, wo
 
 
 def train(name: str, settings: dict, batch: dict, model_dir: str, output_dir: str) -> dict:
-    world = int(os.environ.get("WORLD_SIZE", 1))  # set by the launcher; the trainer's accelerator must agree
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by the launcher; the trainer's accelerator must agree
     set_seed(0)  # the LoRA initialisation
     steps_per_generation = settings["steps_per_generation"]
     args = DPPOConfig(
@@ -91,7 +91,7 @@ def train(name: str, settings: dict, batch: dict, model_dir: str, output_dir: st
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if settings["lora"] else None,
     )
     accelerator = trainer.accelerator
-    assert accelerator.num_processes == world, f"{world} processes launched, the trainer sees {accelerator.num_processes}"
+    assert accelerator.num_processes == world, f"{world} processes launched, {accelerator.num_processes} training"
     local = local_generation_batch(batch, steps_per_generation, accelerator.process_index, world)
     trainer._generate_and_score_completions = lambda inputs: dict(local)
     trainable = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
@@ -122,7 +122,7 @@ def main(batch_file: str, out_file: str) -> None:
         name: train(name, settings, prepared["batch"], prepared["model_dir"], f"{out_file}.runs")
         for name, settings in CONFIGS.items()
     }
-    if int(os.environ.get("RANK", 0)) == 0:
+    if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, out_file)
 
 

@@ -1,4 +1,4 @@
-"""examples/accelerate_configs/ mirrors the accelerate configs TRL ships (trl/accelerate_configs/), plus cpu_2proc.yaml."""
+"""examples/accelerate_configs/ mirrors the accelerate configs TRL ships (trl/accelerate_configs/), plus cpu_2proc."""
 
 from __future__ import annotations
 

@@ -106,7 +106,8 @@ def runs(tmp_path_factory):
     model = tiny_llama()
     model.save_pretrained(tmp / "model")
     batch_file = tmp / "batch.pt"
-    torch.save({"model_dir": str(tmp / "model"), "batch": sampled_batch(model, MICRO_BATCHES * WORLD_ROWS)}, batch_file)
+    batch = sampled_batch(model, MICRO_BATCHES * WORLD_ROWS)
+    torch.save({"model_dir": str(tmp / "model"), "batch": batch}, batch_file)
     worker = str(REPO / "tests" / "equivalence_worker.py")
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     launchers = {
@@ -121,7 +122,9 @@ def runs(tmp_path_factory):
     results = {}
     for processes, command in launchers.items():
         out = tmp / f"{processes}proc.pt"
-        done = subprocess.run(command + [str(batch_file), str(out)], capture_output=True, text=True, env=env, timeout=900)
+        done = subprocess.run(
+            command + [str(batch_file), str(out)], capture_output=True, text=True, env=env, timeout=900
+        )
         assert done.returncode == 0, done.stderr[-4000:]
         results[processes] = torch.load(out)
     return results

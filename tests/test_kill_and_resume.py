@@ -43,9 +43,7 @@ def finish(process: subprocess.Popen) -> None:
 
 
 def logged_steps(path: Path) -> list[dict]:
-    return [
-        {k: v for k, v in json.loads(line).items() if k not in TIMINGS} for line in path.read_text().splitlines()
-    ]
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS} for line in path.read_text().splitlines()]
 
 
 @pytest.mark.slow
