@@ -27,19 +27,21 @@ TIMINGS = ("step_time",)
 
 
 def start(model_dir: str, output_dir: Path, mode: str) -> subprocess.Popen:
+    """The worker in MODE; its stderr goes to a file (a pipe nobody reads could fill up and stall it)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    return subprocess.Popen(
-        [sys.executable, WORKER, model_dir, str(output_dir), mode],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with open(output_dir / f"stderr-{mode}.log", "w") as stderr:
+        command = [sys.executable, WORKER, model_dir, str(output_dir), mode]
+        return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
 
 
-def finish(process: subprocess.Popen) -> None:
-    _, stderr = process.communicate(timeout=600)
-    assert process.returncode == 0, stderr[-4000:]
+def stderr_tail(output_dir: Path, mode: str) -> str:
+    return (output_dir / f"stderr-{mode}.log").read_text()[-4000:]
+
+
+def finish(process: subprocess.Popen, output_dir: Path, mode: str) -> None:
+    process.wait(timeout=600)
+    assert process.returncode == 0, stderr_tail(output_dir, mode)
 
 
 def logged_steps(path: Path) -> list[dict]:
@@ -53,14 +55,14 @@ def test_killed_run_resumed_from_its_checkpoint_logs_what_an_uninterrupted_run_l
     killed = start(tiny_model_dir, killed_dir, "stop_after_checkpoint")
     deadline = time.monotonic() + 600
     while not (killed_dir / CHECKPOINT_SAVED).exists():
-        assert killed.poll() is None, killed.stderr.read()[-4000:]
+        assert killed.poll() is None, stderr_tail(killed_dir, "stop_after_checkpoint")
         assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
         time.sleep(0.5)
     killed.kill()  # SIGKILL: no handler, no clean-up
     killed.wait()
     assert (killed_dir / f"checkpoint-{SAVE_STEPS}" / "dppo_masked_token_counts.json").exists()
-    finish(straight)
-    finish(start(tiny_model_dir, killed_dir, "resume"))
+    finish(straight, straight_dir, "straight")
+    finish(start(tiny_model_dir, killed_dir, "resume"), killed_dir, "resume")
 
     uninterrupted = logged_steps(straight_dir / "steps-straight.jsonl")
     interrupted = logged_steps(killed_dir / "steps-stop_after_checkpoint.jsonl")
