@@ -9,7 +9,7 @@ import torch
 from transformers import GemmaConfig, GemmaForCausalLM
 
 from trl_dppo.rollout import VOID_ID
-from trl_dppo.topk import check_topk_support, topk_logps_from_hidden
+from trl_dppo.topk import check_topk_support, lm_head_kept_logps, topk_logps_from_hidden
 
 from .test_trainer import make_trainer, spy_on_trust_region
 
@@ -58,7 +58,7 @@ def test_trainer_and_sampler_kept_sets_agree_at_learning_rate_zero(tmp_path, tin
     )
     seen = spy_on_trust_region(trainer)
     captured = []
-    original = topk_logps_from_hidden
+    original = lm_head_kept_logps
 
     def spy(*args, **kwargs):
         out = original(*args, **kwargs)
@@ -67,11 +67,11 @@ def test_trainer_and_sampler_kept_sets_agree_at_learning_rate_zero(tmp_path, tin
 
     import trl_dppo.trainer as trainer_module
 
-    trainer_module.topk_logps_from_hidden = spy
+    trainer_module.lm_head_kept_logps = spy
     try:
         trainer.train()
     finally:
-        trainer_module.topk_logps_from_hidden = original
+        trainer_module.lm_head_kept_logps = original
     assert len(captured) == len(seen) > 0
     for trainer_kept, (_, _, mask, inputs) in zip(captured, seen, strict=True):
         sampler_kept = inputs["sampler_kept_logps"]

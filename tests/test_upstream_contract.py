@@ -106,3 +106,13 @@ def test_grpo_config_fields_dppo_sets_apart():
         "delta",
     ):
         assert name in fields, name
+
+
+def test_checkpoint_hooks_where_the_masked_token_counts_are_saved_and_restored():
+    """`_save_checkpoint` / `_load_optimizer_and_scheduler` overrides: the same arguments, and transformers calls the
+    loader with the checkpoint's path when resuming (GRPOTrainer restores its entropy controller there too)."""
+    from transformers import Trainer
+
+    assert params(DPPOTrainer._save_checkpoint) == params(GRPOTrainer._save_checkpoint) == ["self", "model", "trial"]
+    assert params(DPPOTrainer._load_optimizer_and_scheduler) == ["self", "checkpoint"]
+    assert "self._load_optimizer_and_scheduler(resume_from_checkpoint)" in source(Trainer._prepare_for_training)

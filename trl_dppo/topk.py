@@ -8,7 +8,8 @@ With z = W h + b the LM head's logits and T the temperature,
 
 so K + 1 dot products per position, on the hidden state the forward pass already computed, give them exactly: no
 second forward pass and no full-vocabulary tensor. Models whose logits are not `W h + b` (logit scaling or
-softcapping) are rejected by `check_topk_support`.
+softcapping) are rejected by `check_topk_support`. `lm_head_kept_logps` is the trainer's entry point: it reads the
+head's weight outside the head's forward pass.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from __future__ import annotations
 import math
 
 import torch
+from accelerate.utils import DistributedType
+from torch.distributed.tensor import DTensor
+from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 
-__all__ = ["check_topk_support", "topk_logps_from_hidden"]
+__all__ = ["check_topk_sharding", "check_topk_support", "lm_head_kept_logps", "topk_logps_from_hidden"]
 
 # Per chunk, the gathered LM-head rows take positions x (K + 2) x hidden x 4 bytes; this bounds that transient.
 _CHUNK_BYTES = 4 * 2**20
@@ -46,6 +50,16 @@ def check_topk_support(causal_lm: torch.nn.Module) -> None:
             "The top-K divergence reads the LM head's weight directly, but the LM head is "
             f"{type(head).__name__} (an adapter on lm_head?). Remove lm_head from the adapter's target modules, or "
             "use a binary divergence."
+        )
+
+
+def check_topk_sharding(accelerator) -> None:
+    """Raise under FSDP1, whose LM head `lm_head_kept_logps` cannot gather (FSDP2 and DeepSpeed ZeRO-3 it can)."""
+    if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
+        raise ValueError(
+            "The top-K divergence reads the LM head's weight outside its forward pass; under FSDP1 that weight is a "
+            "flat shard it cannot gather. Use FSDP2 (`fsdp_version: 2`, examples/accelerate_configs/fsdp2.yaml), "
+            "DeepSpeed ZeRO, or a binary divergence ('binary_tv', 'binary_kl')."
         )
 
 
@@ -87,3 +101,24 @@ def topk_logps_from_hidden(
         out[start:end] = flat_logps[start:end, None] + (z[:, 1:] - z[:, :1]) / temperature
     out.masked_fill_(flat_kept < 0, -math.inf)
     return out.view(B, T, k)
+
+
+def lm_head_kept_logps(
+    head: torch.nn.Linear,
+    hidden: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    sampled_logps: torch.Tensor,
+    kept_ids: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """`topk_logps_from_hidden` with the weight and bias of the model's LM head `head`, read outside its forward pass.
+
+    Sharding engines hold a parameter whole only around its module's forward pass. DeepSpeed ZeRO-3 leaves an empty
+    tensor behind (gathered by TRL's `maybe_gather_lm_head_ctx`); FSDP2 a `DTensor` holding this process's rows of
+    the vocabulary, when the head's group reshards after forward (`full_tensor()` all-gathers it). Either way the
+    transient is the head's `(V, H)` weight, as in the forward pass itself, never `(B, T, V)` logits. Both gathers
+    are collective: every process calls this once per loss computation, as it computes the loss.
+    """
+    with maybe_gather_lm_head_ctx(head.weight, head.bias):
+        weight, bias = (p.full_tensor() if isinstance(p, DTensor) else p for p in (head.weight, head.bias))
+        return topk_logps_from_hidden(hidden, weight, bias, sampled_ids, sampled_logps, kept_ids, temperature)

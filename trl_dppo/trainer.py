@@ -32,10 +32,10 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from accelerate.utils import is_peft_model
+from accelerate.utils import gather_object, is_peft_model
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from .config import DPPOConfig
 from .divergence import binary_divergence, topk_divergence, trust_region_mask
@@ -47,7 +47,7 @@ from .rollout import (
     recording_generate,
     sync_weights_in_place,
 )
-from .topk import check_topk_support, topk_logps_from_hidden
+from .topk import check_topk_sharding, check_topk_support, lm_head_kept_logps
 
 
 if TYPE_CHECKING:
@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DPPOTrainer", "MU_BUCKETS"]
 
+# In each checkpoint: DPPOTrainer.masked_token_counts summed over processes, restored on resume
+MASKED_TOKEN_COUNTS_NAME = "dppo_masked_token_counts.json"
 # Sampler-probability buckets for the masked/kept token counts (`tokens_by_mu/<label>/...` metrics)
 MU_BUCKET_EDGES = (1e-3, 1e-2, 1e-1, 0.5, 0.9)
 MU_BUCKETS = ("<0.001", "0.001-0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9", ">=0.9")
@@ -85,10 +87,11 @@ class _MaskedTokensWriter(TrainerCallback):
         self.trainer = trainer
 
     def _write(self, args, state) -> None:
+        report = self.trainer.masked_tokens_report()  # every process takes part: the counts are summed over them
         if state.is_world_process_zero and args.output_dir:
             os.makedirs(args.output_dir, exist_ok=True)
             with open(os.path.join(args.output_dir, "masked_tokens.json"), "w") as f:
-                json.dump(self.trainer.masked_tokens_report(), f, indent=1)
+                json.dump(report, f, indent=1)
 
     def on_save(self, args, state, control, **kwargs):
         self._write(args, state)
@@ -147,6 +150,13 @@ class DPPOTrainer(GRPOTrainer):
         if not isinstance(args, DPPOConfig):
             fix = "DPPOConfig.from_grpo_config(your_config)" if isinstance(args, GRPOConfig) else "a DPPOConfig"
             raise TypeError(f"DPPOTrainer needs a DPPOConfig, got {type(args).__name__}: pass {fix}.")
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and args.world_size == 1:
+            raise RuntimeError(
+                f"{launched} processes were launched, but accelerate found no distributed backend for this device, so "
+                "each would train alone on the whole data. On a machine without GPUs set `use_cpu=True` in DPPOConfig "
+                "(`--use_cpu true`): the processes then train together over gloo."
+            )
         super().__init__(
             model,
             reward_funcs,
@@ -167,6 +177,7 @@ class DPPOTrainer(GRPOTrainer):
         self.topk = args.topk if args.divergence.startswith("topk") else 0
         if self.topk:
             check_topk_support(self._causal_lm())
+            check_topk_sharding(self.accelerator)
         self._loss_inputs: dict[str, Any] | None = None  # set while a loss is computed
         self._scoring = False  # set while a generation batch is scored
         self._rollout_logprobs: list | None = None
@@ -294,18 +305,14 @@ class DPPOTrainer(GRPOTrainer):
         # Tokens outside the loss get a neutral anchor so that no NaN reaches the loss
         sampler_logps = torch.where(mask, inputs["sampling_per_token_logps"], trainer_logps)
         if self.topk:
-            causal_lm = self._causal_lm()
-            head = causal_lm.get_output_embeddings()
-            with maybe_gather_lm_head_ctx(head.weight, head.bias):
-                trainer_kept = topk_logps_from_hidden(
-                    hidden,
-                    head.weight,
-                    head.bias,
-                    inputs["completion_ids"],
-                    trainer_logps,
-                    inputs["sampler_kept_ids"],
-                    self.temperature,
-                )
+            trainer_kept = lm_head_kept_logps(
+                self._causal_lm().get_output_embeddings(),
+                hidden,
+                inputs["completion_ids"],
+                trainer_logps,
+                inputs["sampler_kept_ids"],
+                self.temperature,
+            )
             sampler_kept = inputs["sampler_kept_logps"].masked_fill(~mask[..., None], -float("inf"))
             trainer_kept = trainer_kept.masked_fill(~mask[..., None], -float("inf"))
             divergence = topk_divergence(sampler_kept, trainer_kept, self.kind)
@@ -397,11 +404,41 @@ class DPPOTrainer(GRPOTrainer):
             metrics[f"tokens_by_mu/{label}/ppo_clipped"].append(clipped_count)
 
     def masked_tokens_report(self, top: int = 20) -> dict[str, list[dict]]:
-        """The tokens the trust region masked most often on this process, decoded, per advantage sign."""
+        """The tokens the trust region masked most often over all processes, decoded, per advantage sign.
+
+        Every process must call it (the counts are gathered)."""
         return {
             sign: [
                 {"token": self.processing_class.decode([token_id]), "id": token_id, "count": count}
                 for token_id, count in counter.most_common(top)
             ]
-            for sign, counter in self.masked_token_counts.items()
+            for sign, counter in self._masked_token_counts_over_processes().items()
         }
+
+    def _masked_token_counts_over_processes(self) -> dict[str, Counter]:
+        total = {sign: Counter() for sign in self.masked_token_counts}
+        for counts in gather_object([self.masked_token_counts]):
+            for sign, counter in counts.items():
+                total[sign].update(counter)
+        return total
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        # The masked-token counts are training state: a resumed run continues them (summed over processes)
+        counts = self._masked_token_counts_over_processes()
+        if self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            with open(os.path.join(folder, MASKED_TOKEN_COUNTS_NAME), "w") as f:
+                json.dump({sign: dict(counter) for sign, counter in counts.items()}, f)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)  # called only when resuming, with the checkpoint's path
+        path = os.path.join(checkpoint, MASKED_TOKEN_COUNTS_NAME) if checkpoint else None
+        if path and os.path.isfile(path):
+            self.masked_token_counts = {"positive": Counter(), "negative": Counter()}
+            if self.accelerator.is_main_process:  # the process that holds the sum; the others count from zero
+                with open(path) as f:
+                    for sign, counts in json.load(f).items():
+                        self.masked_token_counts[sign].update({int(i): c for i, c in counts.items()})

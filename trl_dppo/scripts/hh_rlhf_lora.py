@@ -31,7 +31,7 @@ prompts (8 processes x 4 completions x 4 accumulation steps = 128 completions), 
 and all but the first are off-policy: the regime where DPPO's trust region matters. For the other settings of the
 table: `--num_generations 16 --generation_batch_size 2048` (n = 16), `--gradient_accumulation_steps 8` (mini-batch 32
 prompts), `--divergence binary_kl --delta 0.05` (KL), or full fine-tuning with `--use_peft false --learning_rate 1e-6
---delta 0.2` under `--config_file examples/accelerate_configs/deepspeed_zero3.yaml`. On one GPU drop the config file
+--delta 0.2` under `--config_file examples/accelerate_configs/zero3.yaml`. On one GPU drop the config file
 and raise `--gradient_accumulation_steps` to 32 (the same 128 completions per optimizer step).
 
 The same run from a recipe: `accelerate launch --config_file examples/accelerate_configs/multi_gpu.yaml

@@ -1,0 +1,162 @@
+"""Two processes (DDP over gloo) train the same DPPO update as one process, from the same global batch.
+
+One prepared global generation batch (prompts, sampled completions, the sampler's log-probabilities and top-K kept
+sets, advantages) is trained by `tests/equivalence_worker.py` once with `python` and once under
+`accelerate launch --config_file examples/accelerate_configs/cpu_2proc.yaml`, each launch running every
+configuration: binary and top-K, loss types dapo and grpo, LoRA and full fine-tuning, 2 optimizer steps from one
+generation batch (steps_per_generation 2 and 4). The runs agree to float rounding, not bit for bit: two processes
+add two partial sums where one process adds all terms at once, and DDP averages the two gradients. Measured: the
+updates differ by at most 5e-5 of the largest update of each parameter tensor (full fine-tuning, grpo), the logged
+metrics by at most 4e-7.
+
+GRPOTrainer shuffles each process's generation batch before splitting it into micro-batches, which puts different
+rows in each optimizer step for one and for two processes (an equally valid order); the worker holds the order fixed.
+Loss types that normalise by a per-process count (`bnpo`: the mean over this process's tokens) are not equal across
+process counts in GRPOTrainer itself and are not tested here; `dapo` normalises by the global token count and `grpo`
+by equal per-process sequence counts, so both are.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trl_dppo import DPPOConfig, DPPOTrainer
+
+from .equivalence_worker import CONFIGS, TOPK, WORLD_ROWS
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB, PROMPT_LENGTH, COMPLETION_LENGTH = 512, 6, 8
+MICRO_BATCHES = max(settings["steps_per_generation"] for settings in CONFIGS.values())
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)  # peaked next-token distributions, so that |pi - mu| can exceed delta
+    return model
+
+
+@torch.no_grad()
+def sampled_batch(model: LlamaForCausalLM, rows: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Completions sampled from a sampler whose logits are the model's plus noise, with its records, as a batch.
+
+    The noise makes mu differ from the trainer's pi enough for DPPO's mask to act at delta 0.15.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(3, VOCAB, (rows, PROMPT_LENGTH), generator=generator)
+    ids = prompt_ids
+    sampled_logps, kept_ids, kept_logps = [], [], []
+    for _ in range(COMPLETION_LENGTH):
+        logits = model(ids).logits[:, -1].float()
+        sampler = torch.log_softmax(logits + torch.randn(logits.shape, generator=generator), dim=-1)
+        token = torch.multinomial(sampler.exp(), 1, generator=generator)
+        logp = sampler.gather(-1, token)
+        top_logps, top_ids = sampler.topk(TOPK, dim=-1)
+        in_top = (top_ids == token).any(-1, keepdim=True)
+        kept_ids.append(torch.cat([top_ids, torch.where(in_top, -1, token)], dim=-1))
+        kept_logps.append(torch.cat([top_logps, torch.where(in_top, -float("inf"), logp)], dim=-1))
+        sampled_logps.append(logp.squeeze(-1))
+        ids = torch.cat([ids, token], dim=1)
+    lengths = torch.randint(3, COMPLETION_LENGTH + 1, (rows,), generator=generator)
+    completion_mask = (torch.arange(COMPLETION_LENGTH) < lengths[:, None]).long()
+    pad = ~completion_mask.bool()
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": ids[:, PROMPT_LENGTH:].masked_fill(pad, 0),
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(rows, generator=generator),
+        "sampling_per_token_logps": torch.stack(sampled_logps, dim=1).masked_fill(pad, 0.0),
+        "sampler_kept_ids": torch.stack(kept_ids, dim=1).masked_fill(pad[..., None], -1),
+        "sampler_kept_logps": torch.stack(kept_logps, dim=1).masked_fill(pad[..., None], -float("inf")),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The results of every configuration, trained by one process and by two."""
+    tmp = tmp_path_factory.mktemp("equivalence")
+    model = tiny_llama()
+    model.save_pretrained(tmp / "model")
+    batch_file = tmp / "batch.pt"
+    batch = sampled_batch(model, MICRO_BATCHES * WORLD_ROWS)
+    torch.save({"model_dir": str(tmp / "model"), "batch": batch}, batch_file)
+    worker = str(REPO / "tests" / "equivalence_worker.py")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    launchers = {
+        1: [sys.executable, worker],
+        2: [
+            sys.executable, "-m", "accelerate.commands.launch",
+            "--config_file", str(REPO / "examples/accelerate_configs/cpu_2proc.yaml"),
+            "--main_process_port", str(free_port()),
+            worker,
+        ],
+    }  # fmt: skip
+    results = {}
+    for processes, command in launchers.items():
+        out = tmp / f"{processes}proc.pt"
+        done = subprocess.run(
+            command + [str(batch_file), str(out)], capture_output=True, text=True, env=env, timeout=900
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        results[processes] = torch.load(out)
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_two_processes_make_the_same_update_and_log_the_same_metrics_as_one(runs, name):
+    one, two = runs[1][name], runs[2][name]
+    assert (one["num_processes"], two["num_processes"], two["distributed_type"]) == (1, 2, "MULTI_CPU")
+    for param, before in one["before"].items():
+        torch.testing.assert_close(two["before"][param], before, rtol=0, atol=0)
+    assert any(update.abs().max() > 1e-3 for update in one["update"].values()), "the update should be visible"
+    for param, update in one["update"].items():
+        # float32 sums reduced in another order; relative to the size of the update
+        torch.testing.assert_close(two["update"][param], update, rtol=1e-4, atol=1e-5 * update.abs().max().item())
+
+    assert len(one["logs"]) == len(two["logs"]) == 2
+    assert any(entry["trust_region/masked_fraction"] > 0 for entry in one["logs"]), "the mask should act"
+    for entry_one, entry_two in zip(one["logs"], two["logs"]):
+        assert entry_one.keys() == entry_two.keys()
+        for key, value in entry_one.items():
+            assert entry_two[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert one["masked_token_counts"] == two["masked_token_counts"]
+
+
+def test_processes_that_would_each_train_alone_are_refused(monkeypatch, tmp_path, tiny_model_dir, prompts, tokenizer):
+    """A launcher started 2 processes, but without `use_cpu=True` accelerate finds no backend on a CPU machine."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = DPPOConfig(
+        output_dir=str(tmp_path), report_to="none", bf16=False, per_device_train_batch_size=4, num_generations=4
+    )
+    assert args.world_size == 1
+    with pytest.raises(RuntimeError, match="use_cpu=True"):
+        DPPOTrainer(tiny_model_dir, reward_funcs=[], args=args, train_dataset=prompts, processing_class=tokenizer)
