@@ -406,7 +406,8 @@ class DPPOTrainer(GRPOTrainer):
     def masked_tokens_report(self, top: int = 20) -> dict[str, list[dict]]:
         """The tokens the trust region masked most often over all processes, decoded, per advantage sign.
 
-        Every process must call it (the counts are gathered)."""
+        Every process must call it: the counts are gathered.
+        """
         return {
             sign: [
                 {"token": self.processing_class.decode([token_id]), "id": token_id, "count": count}
