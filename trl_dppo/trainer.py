@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from accelerate.utils import gather_object, is_peft_model
+from accelerate.utils import broadcast_object_list, gather_object, is_peft_model
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
@@ -178,9 +178,18 @@ class DPPOTrainer(GRPOTrainer):
         if self.topk:
             check_topk_support(self._causal_lm())
             check_topk_sharding(self.accelerator)
+            if self.rollout_func is not None:
+                raise ValueError(
+                    f"divergence={args.divergence!r} needs the sampler's top-K at every token, and a `rollout_func` "
+                    "returns only the sampled token's log-probability, so the top-K divergence would read 0 and mask "
+                    "nothing. Use a binary divergence (divergence='binary_tv' or 'binary_kl') with a rollout_func."
+                )
         self._loss_inputs: dict[str, Any] | None = None  # set while a loss is computed
         self._scoring = False  # set while a generation batch is scored
         self._rollout_logprobs: list | None = None
+        # The optimizer step at which the training batch in use was generated: the loss runs on the weights that
+        # sampled it (`mismatch/at_sync_*`) while `state.global_step` still equals it
+        self._generated_at_step: int | None = None
         self.masked_token_counts = {"positive": Counter(), "negative": Counter()}
         self.add_callback(_MaskedTokensWriter(self))
         if self.use_vllm:
@@ -191,6 +200,8 @@ class DPPOTrainer(GRPOTrainer):
     def _wrap_vllm_backend(self) -> None:
         """Record mu (and the top-K) from vLLM's output, and sync weights in place on vLLM's CPU backend."""
         backend = self.vllm_generation
+        if backend.mode == "server":
+            self._check_server_logprobs_mode(backend)
         backend.generate = record_vllm_logprobs(backend.generate, self.topk)
         if self.topk:
             backend.logprobs = self.topk
@@ -199,6 +210,28 @@ class DPPOTrainer(GRPOTrainer):
 
             if current_platform.is_cpu():
                 backend.sync_weights = functools.partial(sync_weights_in_place, backend)
+
+    def _check_server_logprobs_mode(self, backend) -> None:
+        """Refuse a vLLM server that returns other log-probabilities than those of the distribution it samples from.
+
+        TRL checks the mode only when `vllm_importance_sampling_correction` is on, which DPPO turns off.
+        """
+        config = [None]
+        if self.accelerator.is_main_process:
+            model_config = backend.vllm_client.get_server_info()["model_config"]
+            config = [(model_config["logprobs_mode"], model_config["model"], backend.vllm_client.base_url)]
+        broadcast_object_list(config, from_process=0)
+        mode, model, url = config[0]
+        if mode != "processed_logprobs":
+            raise ValueError(
+                f"The vLLM server at {url} runs with `--logprobs-mode {mode}`: its log-probabilities are not those of "
+                "the distribution it samples from (they miss temperature, penalties and top-k/top-p), so every mu "
+                "would be wrong and DPPO's trust region would act on the error. Restart the server with "
+                "`--logprobs-mode processed_logprobs`, keeping your other options, e.g.\n\n"
+                f"    VLLM_SERVER_DEV_MODE=1 vllm serve {model} --logprobs-mode processed_logprobs --max-logprobs -1 "
+                """--weight-transfer-config '{"backend": "nccl"}'\n\n"""
+                f"(`trl vllm-serve --model {model}` starts the same server with these flags)."
+            )
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self.use_vllm:  # the wrapped backend already returns the sampler's records
@@ -218,6 +251,8 @@ class DPPOTrainer(GRPOTrainer):
         return output
 
     def _generate_and_score_completions(self, inputs):
+        if self.model.training:
+            self._generated_at_step = self.state.global_step
         self._scoring = True
         try:
             output = super()._generate_and_score_completions(inputs)
@@ -225,8 +260,9 @@ class DPPOTrainer(GRPOTrainer):
             self._scoring = False
         if "sampling_per_token_logps" not in output:
             raise RuntimeError(
-                "DPPO needs the sampler's log-probability of every sampled token, but the rollout returned none. "
-                "A custom `rollout_func` must return them under 'logprobs'."
+                "DPPO needs the sampler's log-probability of every sampled token (mu), but the rollout returned "
+                "none. A `rollout_func` must return them under 'logprobs': one list per completion with log mu(y_t) "
+                "of each completion token, taken from the distribution it sampled from."
             )
         if self.topk:
             ids, logps = kept_set_tensors(
@@ -395,6 +431,11 @@ class DPPOTrainer(GRPOTrainer):
         metrics["mismatch/abs_prob_diff_max"].append(global_max)
         metrics["mismatch/kl_mean"].append(fraction(sums[7], sums[1]))
         metrics["mismatch/missing_sampler_logps"].append(sums[8])
+        if mode == "train" and self.state.global_step == self._generated_at_step:
+            # No update since the batch was sampled: the gap is the sampler-trainer mismatch alone (precision, kernels)
+            metrics["mismatch/at_sync_abs_prob_diff_mean"].append(fraction(sums[6], sums[1]))
+            metrics["mismatch/at_sync_abs_prob_diff_max"].append(global_max)
+            metrics["mismatch/at_sync_kl_mean"].append(fraction(sums[7], sums[1]))
         metrics["diagnostics/bad_update_fraction"].append(fraction(sums[9], sums[1]))
         metrics["diagnostics/bad_updates_blocked_by_ppo_clip"].append(fraction(sums[10], sums[9]))
         metrics["diagnostics/bad_updates_blocked_by_dppo_mask"].append(fraction(sums[11], sums[9]))
