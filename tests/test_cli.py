@@ -55,6 +55,7 @@ def test_math_runs_two_steps_offline_on_the_default_model(tmp_path, monkeypatch)
     assert summary["steps"] == 2 and summary["model"] == DEFAULT_MODEL
     assert huggingface_hub.constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
     assert (out / "adapter_config.json").is_file()
+    assert "Rethinking the Trust Region in LLM Reinforcement Learning" in (out / "README.md").read_text()
 
 
 def test_a_hub_model_leaves_the_hub_settings_alone(monkeypatch):

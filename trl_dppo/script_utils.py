@@ -239,6 +239,8 @@ def train_and_report(
     )
     trainer.train()
     trainer.save_model(args.output_dir)  # the LoRA adapter (a few MB) or the full model
+    # TRL's model card (it names DPPO and cites the paper) in place of PEFT's blank template, as checkpoints get it
+    trainer.create_model_card(model_name=args.hub_model_id or Path(args.output_dir).name)
     fields = {
         "model": model,
         "data": data,
