@@ -57,7 +57,7 @@ def test_rows_follow_tokens_through_tool_stitching_and_truncation():
     sampling = torch.nn.functional.pad(sampling, (0, 1))
     batch = store.batch_tensors(completion_ids, sampling)
     ids, logps = batch["sampler_kept_ids"], batch["sampler_kept_logps"]
-    assert ids.shape == (2, 6, 3) and ids.dtype == torch.long and logps.dtype == torch.float32
+    assert ids.shape == (2, 6, 3) and ids.dtype == torch.int32 and logps.dtype == torch.float32
     assert ids[0, :, :2].tolist() == [[1, 2], [3, 4], [VOID_ID] * 2, [VOID_ID] * 2, [7, 8], [VOID_ID] * 2]
     # the sampled token takes the last slot only when outside the top K
     assert ids[0, :, 2].tolist() == [VOID_ID, VOID_ID, VOID_ID, VOID_ID, 42, VOID_ID]

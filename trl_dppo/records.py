@@ -21,6 +21,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 __all__ = ["ROW_BITS", "VOID_ID", "SamplerRecords", "tag_logps", "tagged_rows"]
@@ -44,13 +45,14 @@ def tag_logps(logps: torch.Tensor, first_row: int) -> torch.Tensor:
 def tagged_rows(logprobs: list[list[float]], length: int) -> torch.Tensor:
     """The store rows `(B, length)` carried by TRL's per-completion float lists; -1 where a token carries none."""
     lengths = torch.tensor([len(row) for row in logprobs], dtype=torch.long)
-    flat = list(itertools.chain.from_iterable(logprobs))
+    count = int(lengths.sum())
     try:
-        values = torch.tensor(flat, dtype=torch.float64)
+        values = np.fromiter(itertools.chain.from_iterable(logprobs), dtype=np.float64, count=count)
     except TypeError:  # vLLM reports a NaN log-prob as None; it carries no row
-        values = torch.tensor([math.nan if v is None else v for v in flat], dtype=torch.float64)
+        flat = itertools.chain.from_iterable(logprobs)
+        values = np.fromiter((math.nan if v is None else v for v in flat), dtype=np.float64, count=count)
     rows = torch.full((len(logprobs), length), -1, dtype=torch.long)
-    rows[torch.arange(length) < lengths[:, None]] = (values.view(torch.int64) & _ROW_MASK) - 1
+    rows[torch.arange(length) < lengths[:, None]] = (torch.from_numpy(values).view(torch.int64) & _ROW_MASK) - 1
     return rows
 
 
@@ -60,7 +62,8 @@ class SamplerRecords:
 
     Rows are appended per backend call (`add`) and read back per batch token through the tags (`batch_tensors`).
 
-    - `top_ids` / `top_logps` `(N, K)`: the sampler's K most likely tokens and their log-probabilities (top-K only);
+    - `kept_ids` / `kept_logps` `(N, K + 1)`: the sampler's K most likely tokens and their log-probabilities (top-K
+      only), and a last slot left empty, filled per batch token with the sampled token when outside the top K;
     - `base_logps` `(N,)`: log mu_base of the sampled token, log_softmax(logits / T) before any truncation or
       penalty, stored only when the sampler's chain did more than temperature (the trainer's pi is that
       distribution, so the divergence compares like with like). The top-K is then taken under mu_base too.
@@ -71,8 +74,8 @@ class SamplerRecords:
     topk: int = 0
     rows: int = 0
     _sampled: list[torch.Tensor] = field(default_factory=list)
-    _top_ids: list[torch.Tensor] = field(default_factory=list)
-    _top_logps: list[torch.Tensor] = field(default_factory=list)
+    _kept_ids: list[torch.Tensor] = field(default_factory=list)
+    _kept_logps: list[torch.Tensor] = field(default_factory=list)
     _base: list[torch.Tensor | None] = field(default_factory=list)
     rollout_logprobs: list[list[float]] | None = None
 
@@ -87,8 +90,13 @@ class SamplerRecords:
         tagged = tag_logps(sampled_logps, self.rows)
         self._sampled.append(sampled_logps.detach().float().cpu())
         if self.topk:
-            self._top_ids.append(top_ids.detach().to(device="cpu", dtype=torch.int32))
-            self._top_logps.append(top_logps.detach().float().cpu())
+            n = sampled_logps.numel()
+            ids = torch.full((n, self.topk + 1), VOID_ID, dtype=torch.int32)
+            ids[:, : self.topk] = top_ids
+            logps = torch.full((n, self.topk + 1), -math.inf)
+            logps[:, : self.topk] = top_logps
+            self._kept_ids.append(ids)
+            self._kept_logps.append(logps)
         self._base.append(None if base_logps is None else base_logps.detach().float().cpu())
         self.rows += sampled_logps.numel()
         return tagged
@@ -105,7 +113,7 @@ class SamplerRecords:
     def batch_tensors(self, completion_ids: torch.Tensor, sampling_logps: torch.Tensor) -> dict[str, torch.Tensor]:
         """The batch keys for the trainer, aligned with `completion_ids` `(B, T)`.
 
-        `sampler_kept_ids` `(B, T, K + 1)` long and `sampler_kept_logps` `(B, T, K + 1)` float32: the top-K, then the
+        `sampler_kept_ids` `(B, T, K + 1)` int32 and `sampler_kept_logps` `(B, T, K + 1)` float32: the top-K, then the
         sampled token when it is not among them (else an empty slot, id -1 and log-prob -inf); `sampler_base_logps`
         `(B, T)` when mu_base was recorded. Tokens without a row (tool results, padding) get empty slots.
         """
@@ -124,25 +132,30 @@ class SamplerRecords:
         index = rows.clamp_min(0)
         out = {}
         if self.has_base:
-            base = torch.cat([s if b is None else b for s, b in zip(self._sampled, self._base)])[index]
+            base = _concat([s if b is None else b for s, b in zip(self._sampled, self._base)])[index]
             base = torch.where(has_row, base, sampling_logps.cpu())
             out["sampler_base_logps"] = base.to(device)
             sampled_logps = base
         else:
             sampled_logps = sampling_logps.cpu()
         if self.topk:
-            if self.rows:
-                top_ids = torch.cat(self._top_ids)[index].long()
-                top_logps = torch.cat(self._top_logps)[index]
+            if self.rows:  # each part of the store is released once gathered: it is not read again
+                ids = _concat(self._kept_ids)[index]
+                self._kept_ids.clear()
+                logps = _concat(self._kept_logps)[index]
+                self._kept_logps.clear()
             else:
-                top_ids = torch.zeros(*rows.shape, self.topk, dtype=torch.long)
-                top_logps = torch.zeros(*rows.shape, self.topk)
-            top_ids.masked_fill_(~has_row[..., None], VOID_ID)
-            top_logps.masked_fill_(~has_row[..., None], -math.inf)
+                ids = torch.empty(*rows.shape, self.topk + 1, dtype=torch.int32)
+                logps = torch.empty(*rows.shape, self.topk + 1)
+            ids.masked_fill_(~has_row[..., None], VOID_ID)
+            logps.masked_fill_(~has_row[..., None], -math.inf)
             tokens = completion_ids.cpu()
-            no_extra = (top_ids == tokens[..., None]).any(-1) | ~has_row
-            extra_ids = tokens.masked_fill(no_extra, VOID_ID)
-            extra_logps = sampled_logps.float().masked_fill(no_extra, -math.inf)
-            out["sampler_kept_ids"] = torch.cat([top_ids, extra_ids[..., None]], -1).to(device)
-            out["sampler_kept_logps"] = torch.cat([top_logps, extra_logps[..., None]], -1).to(device)
+            extra = ~(ids[..., : self.topk] == tokens[..., None]).any(-1) & has_row
+            ids[..., self.topk][extra] = tokens[extra].int()
+            logps[..., self.topk][extra] = sampled_logps.float()[extra]
+            out["sampler_kept_ids"], out["sampler_kept_logps"] = ids.to(device), logps.to(device)
         return out
+
+
+def _concat(chunks: list[torch.Tensor]) -> torch.Tensor:
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)

@@ -201,7 +201,7 @@ def recording_generate(model: torch.nn.Module, recorder: SamplerLogprobRecorder)
 
 
 # vLLM output is turned into records this many tokens at a time, which bounds the transient arrays
-_VLLM_CHUNK_TOKENS = 1 << 16
+_VLLM_CHUNK_TOKENS = 1 << 14
 
 
 def _flat_floats(nested: list, count: int) -> np.ndarray:
@@ -229,13 +229,13 @@ def _vllm_topk_arrays(completion_ids, logprobs, token_ids, topk: int) -> tuple[n
     cols = np.arange(topk)
     in_row = cols < widths[:, None]
     index = np.minimum(starts[:, None] + cols, max(total - 1, 0))
-    top_ids = np.where(in_row, ids[index], VOID_ID).astype(np.int32)
-    top_logps = np.where(in_row, logps[index], -np.inf).astype(np.float32)
+    top_ids = np.where(in_row, ids[index], np.int32(VOID_ID))
+    top_logps = np.where(in_row, logps[index], np.float32(-np.inf))
     match = top_ids == tokens[:, None]
     sampled = top_logps[np.arange(n), match.argmax(1)]
     extra = np.minimum(starts + topk, max(total - 1, 0))  # the (K+1)-th entry, where vLLM added the sampled token
     extra_match = (widths > topk) & (ids[extra] == tokens)
-    sampled = np.where(match.any(1), sampled, np.where(extra_match, logps[extra], np.nan)).astype(np.float32)
+    sampled = np.where(match.any(1), sampled, np.where(extra_match, logps[extra], np.float32(np.nan)))
     return sampled, top_ids, top_logps
 
 
@@ -258,7 +258,6 @@ def record_vllm_logprobs(generate: Callable, topk: int = 0, records: Callable[[]
         if not topk:
             return prompt_ids, completion_ids, logprobs, logprob_token_ids
         store = records()
-        entries = []
         start = 0
         while start < len(completion_ids):
             end, tokens = start, 0
@@ -269,10 +268,11 @@ def record_vllm_logprobs(generate: Callable, topk: int = 0, records: Callable[[]
                 completion_ids[start:end], logprobs[start:end], logprob_token_ids[start:end], topk
             )
             tagged = store.add(torch.from_numpy(sampled), torch.from_numpy(top_ids), torch.from_numpy(top_logps))
-            values = iter(tagged.tolist())
-            entries.extend(list(zip(itertools.islice(values, len(seq)))) for seq in completion_ids[start:end])
+            # Entry 0 of vLLM's own per-token lists (made for this call) takes the record: no new list per token
+            for entry, value in zip(itertools.chain.from_iterable(logprobs[start:end]), tagged.tolist()):
+                entry[0] = value
             start = end
-        return prompt_ids, completion_ids, entries, logprob_token_ids
+        return prompt_ids, completion_ids, logprobs, logprob_token_ids
 
     return wrapped
 
