@@ -64,6 +64,7 @@ def test_the_same_run_masks_tokens_when_the_divergence_uses_the_truncated_mu(
         ("generation_kwargs", {"presence_penalty": 0.5}),
         ("generation_kwargs", {"temperature": 0.5}),
     ],
+    ids=["top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "kwargs_temperature"],
 )
 def test_vllm_refuses_truncated_or_penalised_sampling_unless_opted_in(tmp_path, option, value):
     settings = dict(output_dir=str(tmp_path), bf16=False, use_vllm=True, temperature=1.0, **{option: value})
@@ -87,3 +88,36 @@ def test_trust_region_weights_take_the_mask_from_base_and_the_ratio_from_sampled
         "dppo", pi, sampled, torch.tensor([-1.0]), torch.tensor([0.0]), 0.15, 0.15, base_logps=base
     )
     assert keep.all() and weights.item() == pytest.approx(-0.5)
+
+
+def test_opted_in_vllm_truncation_logs_the_spurious_divergence_on_the_first_step_after_generation():
+    """mu/pi - 1 estimates (1 - Z)/Z while the trainer's weights are the sampler's (no update since the sync)."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from trl_dppo import DPPOTrainer
+
+    stub = SimpleNamespace(
+        state=SimpleNamespace(global_step=3),
+        _last_loaded_step=3,
+        args=SimpleNamespace(delta_low=0.15),
+        accelerator=SimpleNamespace(reduce=lambda t, reduction: t),
+        model=SimpleNamespace(training=True),
+        _metrics={"train": defaultdict(list)},
+    )
+    pi = torch.tensor([[0.4, 0.1, 0.5]])
+    mu = pi / 0.8  # top_p kept Z = 0.8 of the mass
+    mask = torch.tensor([[True, True, False]])
+    DPPOTrainer._log_truncation_gap(stub, mask, mu.log(), pi.log())
+    assert stub._metrics["train"]["truncation/kept_mass_gap"] == [pytest.approx(0.25)]
+    assert stub._metrics["train"]["truncation/spurious_tv_over_delta_fraction"] == [pytest.approx(0.0)]
+    stub.state.global_step = 4  # after an optimizer step the gap is the update's, not truncation's
+    DPPOTrainer._log_truncation_gap(stub, mask, mu.log(), pi.log())
+    assert len(stub._metrics["train"]["truncation/kept_mass_gap"]) == 1
+
+
+def test_transformers_generation_options_that_bypass_sampling_are_refused_at_start(
+    tmp_path, tiny_model_dir, prompts, tokenizer
+):
+    with pytest.raises(ValueError, match="num_beams"):
+        make_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, generation_kwargs={"num_beams": 2})
