@@ -15,8 +15,10 @@ in one small override:
 - `_compute_loss`: arms the previous override for one loss computation, and takes tokens without a sampler
   log-probability out of the loss.
 
-`_generate` and `_generate_and_score_completions` additionally carry the sampler's top-K into the batch when the
-divergence is top-K. `docs/overrides.md` lists every override and `tests/test_upstream_contract.py` pins the
+`_generate` and `_generate_and_score_completions` additionally carry the sampler's records beyond the float TRL keeps
+into the batch (`records.py`): the top-K when the divergence is top-K, and log mu_base, the sampler's distribution
+before truncation or penalties, when the sampler's chain had any. The divergence and the direction test compare pi
+with mu_base (like with like: pi is softmax(logits / T)); the ratio pi/mu keeps the mu the token was drawn from. `docs/overrides.md` lists every override and `tests/test_upstream_contract.py` pins the
 GRPOTrainer behaviour each relies on.
 """
 
