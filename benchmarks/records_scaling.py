@@ -347,8 +347,9 @@ def main() -> None:
     args = parser.parse_args()
     command = "python benchmarks/records_scaling.py " + " ".join(sys.argv[1:])
     rows = scaling(args.sizes, args.repeats)
-    generation = generation_overhead(64, 256, args.model_repeats) if args.model_repeats else {}
-    write(rows, generation, args.out, command)
+    write(rows, {}, args.out, command)  # the scaling results are kept even if the generation part is cut short
+    if args.model_repeats:
+        write(rows, generation_overhead(64, 256, args.model_repeats), args.out, command)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ in one small override:
 `_generate` and `_generate_and_score_completions` additionally carry the sampler's records beyond the float TRL keeps
 into the batch (`records.py`): the top-K when the divergence is top-K, and log mu_base, the sampler's distribution
 before truncation or penalties, when the sampler's chain had any. The divergence and the direction test compare pi
-with mu_base (like with like: pi is softmax(logits / T)); the ratio pi/mu keeps the mu the token was drawn from. `docs/overrides.md` lists every override and `tests/test_upstream_contract.py` pins the
-GRPOTrainer behaviour each relies on.
+with mu_base (like with like: pi is softmax(logits / T)); the ratio pi/mu keeps the mu the token was drawn from.
+`docs/overrides.md` lists every override and `tests/test_upstream_contract.py` pins the GRPOTrainer behaviour each
+relies on.
 """
 
 from __future__ import annotations
