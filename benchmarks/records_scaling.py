@@ -243,8 +243,13 @@ def generation_overhead(batch: int, new_tokens: int, repeats: int) -> dict:
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     config = GenerationConfig(
-        do_sample=True, temperature=0.7, top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-        pad_token_id=0, eos_token_id=None,
+        do_sample=True,
+        temperature=0.7,
+        top_k=0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=0,
+        eos_token_id=None,
     )
     prompt = torch.randint(100, 40000, (batch, 16), generator=torch.Generator().manual_seed(0))
     variants = {"no recorder": None, "binary recorder": 0, "top-20 recorder": 20}
@@ -301,7 +306,8 @@ def write(rows, generation, out: Path, command: str) -> None:
             f"{r['extra_bytes_per_token']:+.0f} | {r['extra_kept_bytes_per_token']:+.0f} |"
         )
     if generation:
-        lines += ["", "| generate() on SmolLM2-135M, 64 x 256 | median s | trials (s) | overhead |", "|---|---:|---|---:|"]
+        lines += ["", "| generate() on SmolLM2-135M, 64 x 256 | median s | trials (s) | overhead |"]
+        lines += ["|---|---:|---|---:|"]
         for name, g in generation.items():
             trials = ", ".join(f"{t:.1f}" for t in g["seconds"])
             lines.append(f"| {name} | {g['median_s']:.1f} | {trials} | {g['overhead']:+.1%} |")

@@ -76,7 +76,8 @@ def test_vllm_refuses_truncated_or_penalised_sampling_unless_opted_in(tmp_path, 
 
 
 def test_vllm_accepts_generation_kwargs_that_leave_the_distribution_alone(tmp_path):
-    DPPOConfig(output_dir=str(tmp_path), bf16=False, use_vllm=True, generation_kwargs={"seed": 1, "stop": ["\n"], "max_tokens": 8})
+    neutral = {"seed": 1, "stop": ["\n"], "max_tokens": 8}
+    DPPOConfig(output_dir=str(tmp_path), bf16=False, use_vllm=True, generation_kwargs=neutral)
 
 
 def test_trust_region_weights_take_the_mask_from_base_and_the_ratio_from_sampled_mu():
