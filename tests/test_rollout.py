@@ -1,122 +1,183 @@
-"""Recording the sampler's probabilities: transformers generation and vLLM's output format."""
+"""Recording the sampler's probabilities: transformers generation (after its own processor chain) and vLLM's output."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from transformers import GenerationConfig
+from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 
+from trl_dppo.records import VOID_ID, SamplerRecords, tagged_rows
 from trl_dppo.rollout import (
-    VOID_ID,
-    SampledLogprob,
     SamplerLogprobRecorder,
-    kept_set_tensors,
+    check_recordable_sampling,
     record_vllm_logprobs,
     recording_generate,
 )
 
 from .conftest import build_tiny_model
 
-
-def test_recorder_records_the_processed_distribution_of_the_sampled_token():
-    """mu is log_softmax after temperature and top-p, the distribution the token was drawn from."""
-    config = GenerationConfig(do_sample=True, temperature=0.5, top_p=0.9)
-    recorder = SamplerLogprobRecorder(config)
-    scores = torch.randn(3, 50)
-    recorder(torch.zeros(3, 4, dtype=torch.long), scores.clone())
-    sampled = torch.tensor([[0], [7], [49]])
-    records = recorder.finish(sampled.tolist())
-    probs = torch.softmax(scores / 0.5, -1)
-    sorted_probs, order = probs.sort(-1, descending=True)
-    outside = (sorted_probs.cumsum(-1) - sorted_probs) > 0.9  # tokens top-p removes
-    nucleus = probs.clone().scatter_(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    expected = (nucleus / nucleus.sum(-1, keepdim=True)).log().gather(-1, sampled)
-    for row, want in zip(records, expected.squeeze(-1).tolist()):
-        assert len(row) == 1 and isinstance(row[0], SampledLogprob)
-        assert (math.isinf(want) and math.isinf(row[0])) or abs(row[0] - want) < 1e-5
+TEMPERATURE = 0.8
 
 
-def test_kept_set_adds_the_sampled_token_only_when_outside_the_top_k():
-    recorder = SamplerLogprobRecorder(GenerationConfig(do_sample=True), topk=3)
-    scores = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0], [5.0, 4.0, 3.0, 2.0, 1.0]])
-    recorder(torch.zeros(2, 1, dtype=torch.long), scores)
-    inside, outside = recorder.finish([[1], [4]])
-    logps = torch.log_softmax(scores[0], -1)
-    assert inside[0].kept_ids == (0, 1, 2, VOID_ID)
-    assert inside[0].kept_logps[3] == -math.inf
-    assert outside[0].kept_ids == (0, 1, 2, 4)
-    assert abs(outside[0].kept_logps[3] - logps[4].item()) < 1e-6
-    assert abs(float(outside[0]) - logps[4].item()) < 1e-6
-    assert all(abs(a - b) < 1e-6 for a, b in zip(inside[0].kept_logps[:3], logps[:3].tolist()))
+class BanEveryThirdToken(LogitsProcessor):
+    """A user's logits processor: bans token ids divisible by 3."""
+
+    def __call__(self, input_ids, scores):
+        return scores.masked_fill(torch.arange(scores.size(-1)) % 3 == 0, -float("inf"))
 
 
-def test_recorder_during_generate_matches_a_full_forward_for_completions_of_different_lengths(tokenizer):
-    model = build_tiny_model(tokenizer, head_scale=10.0).eval()
-    prompt = tokenizer(
-        ["Hello there", "A longer prompt for the second row"], return_tensors="pt", padding=True, padding_side="left"
-    )
-    torch.manual_seed(0)
-    config = GenerationConfig(do_sample=True, temperature=0.8, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id)
-    with torch.no_grad():
-        probe = model.generate(**prompt, generation_config=config)
-    # Make a token that the model emits often the end-of-sequence token, so the rows stop at different steps
-    eos = probe[:, prompt["input_ids"].size(1) + 2].tolist()[0]
-    config.eos_token_id = eos
-    recorder = SamplerLogprobRecorder(config)
-    torch.manual_seed(1)
+@pytest.fixture(scope="module")
+def model_and_prompt(tokenizer):
+    # head_scale 4: peaked enough that a wrong mu shows, spread enough that truncation removes real mass
+    model = build_tiny_model(tokenizer, head_scale=30.0).eval()
+    prompt = tokenizer(["Hello there", "Count to five"], return_tensors="pt", padding=True, padding_side="left")
+    return model, prompt
+
+
+# Each option transformers can take (GenerationConfig fields, as TRL's `generation_kwargs` passes them)
+OPTIONS = {
+    "temperature": {},
+    "top_k": {"top_k": 5},
+    "top_p": {"top_p": 0.8},
+    "min_p": {"min_p": 0.1},
+    "typical_p": {"typical_p": 0.9},
+    "epsilon_cutoff": {"epsilon_cutoff": 3e-4},
+    "eta_cutoff": {"eta_cutoff": 1e-3},
+    "repetition_penalty": {"repetition_penalty": 1.5},
+    "no_repeat_ngram_size": {"no_repeat_ngram_size": 1},
+    "bad_words_ids": {"bad_words_ids": [[i] for i in range(0, 2000, 7)]},
+    "suppress_tokens": {"suppress_tokens": list(range(1, 3000, 5))},
+    "all_truncations": {"top_k": 20, "top_p": 0.8, "min_p": 0.1},
+}
+
+
+def generate_and_record(model, prompt, topk=0, logits_processor=None, **options):
+    settings = dict(do_sample=True, temperature=TEMPERATURE, max_new_tokens=6, top_k=0, pad_token_id=0)
+    config = GenerationConfig(**{**settings, "eos_token_id": None, **options})
+    recorder = SamplerLogprobRecorder(topk, TEMPERATURE)
+    records = SamplerRecords(topk)
     with torch.no_grad(), recording_generate(model, recorder):
-        full = model.generate(**prompt, generation_config=config)
-    assert "generate" not in vars(model)  # the wrapper is removed after the block
-    completion = full[:, prompt["input_ids"].size(1) :]
-    completion_ids = []
-    for row in completion.tolist():
-        completion_ids.append(row[: row.index(eos) + 1] if eos in row else row)
-    records = recorder.finish(completion_ids)
-    with torch.no_grad():
-        logits = model(
-            full,
-            attention_mask=(full != tokenizer.pad_token_id)
-            | (torch.arange(full.size(1)) >= prompt["input_ids"].size(1)),
-        ).logits
-    expected = torch.log_softmax(logits[:, prompt["input_ids"].size(1) - 1 : -1] / 0.8, -1)
-    expected = expected.gather(-1, completion[..., None]).squeeze(-1)
-    for i, row in enumerate(records):
-        assert len(row) == len(completion_ids[i])
-        torch.testing.assert_close(torch.tensor([float(r) for r in row]), expected[i, : len(row)], atol=1e-4, rtol=0)
+        out = model.generate(
+            **prompt,
+            generation_config=config,
+            logits_processor=logits_processor,
+            output_scores=True,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    assert "generate" not in vars(model) and "_get_logits_processor" not in vars(model)  # hooks removed
+    completion = out.sequences[:, prompt["input_ids"].size(1) :]
+    values = recorder.finish(completion.tolist(), records)
+    # transformers' own record of the distribution it sampled from, and of the raw logits
+    processed = torch.log_softmax(torch.stack(out.scores, 1), -1)
+    base = torch.log_softmax(torch.stack(out.logits, 1) / TEMPERATURE, -1)
+    return completion, values, records, processed, base
+
+
+def at(logps, tokens):
+    return logps.gather(-1, tokens[..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("option", list(OPTIONS) + ["user_logits_processor"])
+def test_recorded_mu_is_what_transformers_sampled_from(model_and_prompt, option):
+    """mu = softmax of the scores `_sample` draws from (generate's `output_scores`), whatever the option."""
+    model, prompt = model_and_prompt
+    options = OPTIONS.get(option, {})
+    processors = LogitsProcessorList([BanEveryThirdToken()]) if option == "user_logits_processor" else None
+    torch.manual_seed(0)
+    completion, values, records, processed, base = generate_and_record(model, prompt, 3, processors, **options)
+    mu = torch.tensor(values, dtype=torch.float64).float()  # as GRPOTrainer turns them into a tensor
+    torch.testing.assert_close(mu, at(processed, completion), atol=1e-5, rtol=0)
+    records.rollout_logprobs = values
+    batch = records.batch_tensors(completion, mu)
+    sampled_base = at(base, completion)
+    if option == "temperature":  # nothing beyond the trainer's temperature: nothing extra is stored
+        assert "sampler_base_logps" not in batch
+    else:  # mu_base = log_softmax(logits / T), the distribution the trainer's pi is, and the top-K under it
+        torch.testing.assert_close(batch["sampler_base_logps"], sampled_base, atol=1e-5, rtol=0)
+        assert (processed - base).nan_to_num(nan=0.0).abs().max() > 0.1  # the option changed the distribution
+    top_logps, top_ids = base.topk(3, -1)
+    assert batch["sampler_kept_ids"][..., :3].tolist() == top_ids.tolist()
+    torch.testing.assert_close(batch["sampler_kept_logps"][..., :3], top_logps, atol=1e-5, rtol=0)
+
+
+def test_the_recorder_runs_after_every_processor_and_warper(model_and_prompt):
+    """Pins transformers' order: the chain `_get_logits_processor` returns ends with the warpers (then
+    LogitNormalization); the recorder's hook is appended after all of them, and the raw-logits hook put first."""
+    model, _ = model_and_prompt
+    recorder = SamplerLogprobRecorder(0, TEMPERATURE)
+    config = GenerationConfig(
+        do_sample=True, temperature=0.5, top_p=0.8, repetition_penalty=1.2, renormalize_logits=True
+    )
+    with recording_generate(model, recorder):
+        chain = model._get_logits_processor(generation_config=config, logits_processor=[BanEveryThirdToken()])
+    names = [type(p).__name__ for p in chain]
+    assert names == [
+        "_Hook",
+        "RepetitionPenaltyLogitsProcessor",
+        "BanEveryThirdToken",
+        "TemperatureLogitsWarper",
+        "TopPLogitsWarper",
+        "LogitNormalization",
+        "_Hook",
+    ]
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"do_sample": False}, "do_sample"),
+        ({"do_sample": True, "num_beams": 2}, "num_beams"),
+        ({"do_sample": True, "prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens"),
+        ({"do_sample": True, "dola_layers": "low"}, "dola_layers"),
+    ],
+)
+def test_options_that_bypass_multinomial_sampling_are_refused_by_name(options, named):
+    with pytest.raises(ValueError, match=named):
+        check_recordable_sampling(GenerationConfig(**options))
+
+
+def test_an_assistant_model_is_refused_at_generate(model_and_prompt):
+    model, prompt = model_and_prompt
+    with recording_generate(model, SamplerLogprobRecorder()), pytest.raises(ValueError, match="assistant_model"):
+        model.generate(**prompt, do_sample=True, assistant_model=model, max_new_tokens=2)
 
 
 def test_vllm_records_find_the_sampled_token_by_id_not_by_rank():
-    """vLLM sorts each token's log-probabilities by rank; TRL keeps entry 0. The wrapper puts the sampled token there."""
-    ids = [[[11, 12, 13], [21, 22]]]  # position 0: sampled 13 ranks 3rd (outside top-2); position 1: sampled 22
-    logps = [[[-0.1, -2.0, -5.0], [-0.5, -1.0]]]
+    """vLLM lists each token's entries by rank; TRL keeps entry 0. The wrapper puts the sampled token's there."""
+    ids = [[[11, 12, 13], [21, 22]], [[31, 32]]]  # 13 ranks 3rd (outside top 2); 22 and 31 are among the top 2
+    logps = [[[-0.1, -2.0, -5.0], [-0.5, -1.0]], [[None, -0.25]]]  # vLLM reports a NaN log-prob as None
 
     def generate(*args, **kwargs):
-        return [[1, 2]], [[13, 22]], logps, ids
+        return [[1, 2], [3]], [[13, 22], [31]], logps, ids
 
-    _, _, records, _ = record_vllm_logprobs(generate, topk=2)()
-    first, second = records[0][0][0], records[0][1][0]
-    assert float(first) == -5.0 and first.kept_ids == (11, 12, 13) and first.kept_logps == (-0.1, -2.0, -5.0)
-    assert float(second) == -1.0 and second.kept_ids == (21, 22, VOID_ID)
-    # binary mode: no kept set; a NaN log-prob reported as None stays missing
-    _, _, records, _ = record_vllm_logprobs(lambda: ([[1]], [[5]], [[[None]]], [[[5]]]), topk=0)()
-    assert math.isnan(records[0][0][0]) and records[0][0][0].kept_ids == ()
-
-
-def test_kept_sets_pad_tool_tokens_and_padding_with_empty_slots():
-    """Tool-result tokens carry plain floats after TRL's tool-call stitching; they and padding get empty slots."""
-    rec = SampledLogprob(-0.2, (3, 4, VOID_ID), (-0.2, -1.5, -math.inf))
-    records = [[rec, 0.0, 0.0, rec], [rec]]
-    ids, logps = kept_set_tensors(records, length=4, topk=2, device=torch.device("cpu"))
-    assert ids.shape == (2, 4, 3) and logps.dtype == torch.float32
-    assert ids[0, 0].tolist() == [3, 4, VOID_ID] and ids[0, 3].tolist() == [3, 4, VOID_ID]
-    assert (ids[0, 1:3] == VOID_ID).all() and (ids[1, 1:] == VOID_ID).all()
-    assert torch.isinf(logps[1, 1:]).all()
+    store = SamplerRecords(topk=2)
+    _, _, entries, _ = record_vllm_logprobs(generate, topk=2, records=lambda: store)()
+    sampled = [[lp[0] for lp in seq] for seq in entries]  # what GRPOTrainer keeps
+    assert sampled[0][0] == pytest.approx(-5.0) and sampled[0][1] == pytest.approx(-1.0) and math.isnan(sampled[1][0])
+    store.rollout_logprobs = sampled
+    completion_ids = torch.tensor([[13, 22], [31, 0]])
+    batch = store.batch_tensors(completion_ids, torch.tensor([[-5.0, -1.0], [math.nan, 0.0]]))
+    kept_ids = [[[11, 12, 13], [21, 22, VOID_ID]], [[31, 32, VOID_ID], [VOID_ID] * 3]]
+    assert batch["sampler_kept_ids"].tolist() == kept_ids
+    assert batch["sampler_kept_logps"][0, 0].tolist() == [pytest.approx(-0.1), -2.0, -5.0]
+    assert math.isnan(batch["sampler_kept_logps"][1, 0, 0])  # a NaN leaves the token out of the loss
 
 
-def test_records_survive_pickling():
-    rec = SampledLogprob(-0.3, (1, 2), (-0.3, -2.0))
-    import pickle
+def test_vllm_binary_output_passes_through_untouched():
+    """With logprobs=0 entry 0 is already the sampled token: no per-token work, no rows."""
+    output = ([[1]], [[5, 6]], [[[-0.5], [None]]], [[[5], [6]]])
+    assert record_vllm_logprobs(lambda: output, topk=0)() == output
+    with pytest.raises(RuntimeError, match="no log-probabilities"):
+        record_vllm_logprobs(lambda: ([[1]], [[5]], None, None), topk=0)()
 
-    copy = pickle.loads(pickle.dumps(rec))
-    assert float(copy) == -0.3 and copy.kept_ids == (1, 2) and copy.kept_logps == (-0.3, -2.0)
+
+def test_transformers_binary_records_are_plain_floats_without_rows(model_and_prompt):
+    model, prompt = model_and_prompt
+    torch.manual_seed(0)
+    completion, values, records, processed, _ = generate_and_record(model, prompt)
+    assert records.rows == 0 and (tagged_rows(values, 6) == -1).all()
+    torch.testing.assert_close(torch.tensor(values), at(processed, completion), atol=1e-5, rtol=0)

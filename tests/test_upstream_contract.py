@@ -116,3 +116,26 @@ def test_checkpoint_hooks_where_the_masked_token_counts_are_saved_and_restored()
     assert params(DPPOTrainer._save_checkpoint) == params(GRPOTrainer._save_checkpoint) == ["self", "model", "trial"]
     assert params(DPPOTrainer._load_optimizer_and_scheduler) == ["self", "checkpoint"]
     assert "self._load_optimizer_and_scheduler(resume_from_checkpoint)" in source(Trainer._prepare_for_training)
+
+
+def test_float_lists_carry_record_rows_through_trl():
+    """`records.SamplerRecords` tags: TRL only concatenates and slices the per-token floats (tool calls), and builds
+    `sampling_per_token_logps` with `torch.tensor` (float32, rounding the tag bits away)."""
+    src = source(GRPOTrainer._tool_call_loop)
+    assert "logprobs[idx_with_tool] += [0.0] * tool_length + post_tool_logprobs[idx]" in src
+    assert "post_tool_logprobs[idx] = post_tool_logprobs[idx][:new_len]" in src
+    src = source(GRPOTrainer._generate_and_score_completions)
+    assert 'torch.tensor([float("nan") if x is None else x for x in logps])' in src
+
+
+def test_transformers_samples_from_softmax_of_the_processor_chain():
+    """`rollout.recording_generate` hooks `_get_logits_processor`: generate() builds the chain there, and `_sample`
+    draws each token from softmax of the chain's output (pinned for transformers 5.x)."""
+    from transformers.generation.utils import GenerationMixin
+
+    assert "prepared_logits_processor = self._get_logits_processor(" in source(GenerationMixin.generate)
+    src = source(GenerationMixin._sample)
+    assert "next_token_scores = logits_processor(input_ids, next_token_logits)" in src
+    assert "probs = nn.functional.softmax(next_token_scores, dim=-1)" in src
+    assert "next_tokens = torch.multinomial(probs, num_samples=1)" in src
+    assert "generation_config" in params(GenerationMixin._get_logits_processor)

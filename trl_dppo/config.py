@@ -16,6 +16,20 @@ __all__ = ["DPPOConfig", "DIVERGENCES", "DEFAULT_DELTA", "EXPERIMENTAL_DPPO_RENA
 DIVERGENCES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl")
 # The paper's stability-test thresholds; its large runs used 0.2 for TV.
 DEFAULT_DELTA = {"tv": 0.15, "kl": 0.05}
+# vLLM SamplingParams keys (through `generation_kwargs`) that leave the sampling distribution as it is
+VLLM_DISTRIBUTION_NEUTRAL_KWARGS = (
+    "max_tokens",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "detokenize",
+    "truncate_prompt_tokens",
+    "output_kind",
+)
 # Loss types whose only role is normalisation: GRPOTrainer's `cispo`, `sapo` and `vespo` are trust regions of their own.
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 # trl.experimental.dppo's DPPOConfig (TRL 1.0-1.8) -> this package's field of the same meaning. There, `epsilon` and
@@ -58,6 +72,11 @@ class DPPOConfig(GRPOConfig):
             K of the top-K divergence.
         ratio_cap (`float` or `None`, defaults to `10.0`):
             Cap C on the importance ratio pi/mu in the gradient weight; `None` disables it.
+        vllm_allow_truncated_sampling (`bool`, defaults to `False`):
+            Accept truncated or penalised sampling (`top_p`, `top_k`, `min_p`, `repetition_penalty`, distribution-
+            changing `generation_kwargs`) with vLLM. vLLM reports only the renormalised log-probabilities, so the
+            divergence then includes a spurious (1 - Z)/Z (Z the kept mass); it is logged as `truncation/*`.
+            transformers generation records the untruncated mu and needs no opt-in.
 
     GRPOConfig options that contradict DPPO are off by default here and rejected when set: vLLM's importance-sampling
     correction (it recomputes old log-probabilities, which DPPO does without), sequence-level importance sampling, the
@@ -113,6 +132,15 @@ class DPPOConfig(GRPOConfig):
         metadata={
             "help": "Cap C on the importance ratio pi/mu in the gradient weight M * min(pi/mu, C) * A, as in the "
             "authors' reference code. Set None to disable."
+        },
+    )
+    vllm_allow_truncated_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "Accept top_p < 1, top_k > 0, min_p > 0, repetition_penalty != 1 or distribution-changing "
+            "generation_kwargs with vLLM, although vLLM reports only the truncated (renormalised) mu: the divergence "
+            "then includes a spurious (1 - Z)/Z, logged as truncation/* on the first step after each generation. "
+            "Not needed with transformers generation, which records the untruncated mu."
         },
     )
     vllm_importance_sampling_correction: bool = field(
@@ -226,3 +254,30 @@ class DPPOConfig(GRPOConfig):
                 "use_vllm=True."
             )
         super().__post_init__()
+        if self.use_vllm and not self.vllm_allow_truncated_sampling:
+            self._refuse_vllm_truncated_sampling()
+
+    def _refuse_vllm_truncated_sampling(self) -> None:
+        """vLLM reports mu after truncation and penalties, which the trainer's pi = softmax(logits / T) lacks."""
+        options = {
+            "top_p": self.top_p is not None and self.top_p < 1.0,
+            "top_k": self.top_k is not None and self.top_k > 0,
+            "min_p": self.min_p is not None and self.min_p > 0.0,
+            "repetition_penalty": self.repetition_penalty is not None and self.repetition_penalty != 1.0,
+            "vllm_structured_outputs_regex": self.vllm_structured_outputs_regex is not None,
+        }
+        kwargs = self.generation_kwargs or {}
+        for key, value in kwargs.items():
+            if key == "temperature":
+                options["generation_kwargs['temperature']"] = value != self.temperature
+            elif key not in VLLM_DISTRIBUTION_NEUTRAL_KWARGS:
+                options[f"generation_kwargs[{key!r}]"] = True
+        for name, changes_distribution in options.items():
+            if changes_distribution:
+                raise ValueError(
+                    f"{name} with vLLM generation changes the sampling distribution, and vLLM reports only the "
+                    "processed (truncated, renormalised) log-probabilities, so mu would be compared with a pi that "
+                    "has none of it (at top_p=0.8 truncation alone makes |mu - pi| reach 0.2 > delta). Remove it, use "
+                    "transformers generation (use_vllm=False), which records the untruncated mu, or set "
+                    "vllm_allow_truncated_sampling=True to accept the spurious divergence (logged as truncation/*)."
+                )

@@ -79,6 +79,7 @@ def drpo_gradient_weights(
     sampler_logps: torch.Tensor,
     advantages: torch.Tensor,
     delta: float | torch.Tensor,
+    base_logps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DRPO's weight of grad log pi: the per-token objective r A - (|A| / (2 delta)) mu (r - 1)^2 differentiates to
 
@@ -86,10 +87,12 @@ def drpo_gradient_weights(
 
     that is r A (1 - D / delta) when pi moves away from mu in the direction A pushes and r A (1 + D / delta) when it
     moves back, with D = |pi - mu|; zero at D = delta (the stationary point is DPPO's binary-TV boundary) and
-    negative beyond it, pulling pi back.
+    negative beyond it, pulling pi back. With `base_logps` (log mu before truncation, see `trust_region_weights`) the
+    move pi - mu is measured from it; the ratio r keeps `sampler_logps`.
     """
     ratio = torch.exp(trainer_logps.float() - sampler_logps.float())
-    shift = trainer_logps.float().exp() - sampler_logps.float().exp()
+    base = sampler_logps if base_logps is None else base_logps
+    shift = trainer_logps.float().exp() - base.float().exp()
     return ratio * advantages.float() * (1 - torch.sign(advantages.float()) * shift / delta)
 
 
@@ -107,15 +110,20 @@ def trust_region_weights(
     eps_high: float = 0.28,
     anchor_logps: torch.Tensor | None = None,
     negative_threshold: float = 0.5,
+    base_logps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-token weight w_t of grad log pi and the mask M_t for one of `TRUST_REGIONS`.
 
     `divergence` is DPPO's estimate D_t (used by dppo and mask_drpo); `anchor_logps` is the recomputed pi_old that
-    minirl clips against. Returns `(weights, keep)`; `keep` is True where no mask blocks the token (for drpo, where
-    the token is inside the trust region: its weight is then positive).
+    minirl clips against. `base_logps` is log mu_base, the sampler's distribution before truncation or penalties
+    (the one pi is comparable with): the masks test the direction and size of pi's move against it, while the ratio
+    pi/mu keeps `sampler_logps`, the distribution the token was drawn from. Defaults to `sampler_logps`.
+    Returns `(weights, keep)`; `keep` is True where no mask blocks the token (for drpo, where the token is inside the
+    trust region: its weight is then positive).
     """
     if method not in TRUST_REGIONS:
         raise ValueError(f"method must be one of {TRUST_REGIONS}, got {method!r}.")
+    base = sampler_logps if base_logps is None else base_logps
     ratio = torch.exp(trainer_logps.float() - sampler_logps.float())
     everything = torch.ones_like(ratio, dtype=torch.bool)
     if method == "pg_is":
@@ -131,16 +139,16 @@ def trust_region_weights(
         keep = ratio_clip_keep(torch.exp(trainer_logps.float() - anchor_logps.float()), advantages, eps_low, eps_high)
         return dppo_gradient_weights(trainer_logps, sampler_logps, advantages, keep), keep
     if method == "negative_mask":
-        keep = negative_update_keep(trainer_logps, sampler_logps, advantages, negative_threshold)
+        keep = negative_update_keep(trainer_logps, base, advantages, negative_threshold)
         return dppo_gradient_weights(trainer_logps, sampler_logps, advantages, keep), keep
-    keep = trust_region_mask(divergence, sampler_logps, trainer_logps, advantages, delta_low, delta_high)
+    keep = trust_region_mask(divergence, base, trainer_logps, advantages, delta_low, delta_high)
     if method == "dppo":
         return dppo_gradient_weights(trainer_logps, sampler_logps, advantages, keep, ratio_cap), keep
     delta = torch.where(advantages > 0, delta_high, delta_low)
-    drpo = drpo_gradient_weights(trainer_logps, sampler_logps, advantages, delta)
+    drpo = drpo_gradient_weights(trainer_logps, sampler_logps, advantages, delta, base_logps)
     if method == "drpo":
-        inside = (trainer_logps.exp() - sampler_logps.exp()).abs() <= delta
-        return drpo, inside | (torch.sign(advantages) * (trainer_logps - sampler_logps) <= 0)
+        inside = (trainer_logps.exp() - base.exp()).abs() <= delta
+        return drpo, inside | (torch.sign(advantages) * (trainer_logps - base) <= 0)
     dppo = dppo_gradient_weights(trainer_logps, sampler_logps, advantages, keep, ratio_cap)
     return torch.where(keep, dppo, drpo), keep
 

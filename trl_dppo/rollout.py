@@ -1,181 +1,251 @@
 """Where the sampler's probabilities are recorded.
 
-DPPO anchors its trust region to mu, the probability the sampler gave each token when it generated it, after the
-sampler's own processing (penalties, temperature, top-k/top-p/min-p). This module records mu on both generation
-backends of GRPOTrainer, without an extra forward pass:
+DPPO anchors its trust region to mu, the probability the sampler gave each token when it generated it. This module
+records mu on both generation backends of GRPOTrainer, without an extra forward pass, into the generation batch's
+`SamplerRecords` (`records.py`):
 
-- transformers `generate()`: `SamplerLogprobRecorder`, a logits processor added to the call by `recording_generate`;
-- vLLM: `record_vllm_logprobs` wraps `VLLMGeneration.generate` and picks the sampled token's entry by its token id
-  (TRL keeps the first entry, which is the most likely token once more than one log-probability is requested).
+- transformers `generate()`: `SamplerLogprobRecorder` hooks transformers' own processor construction
+  (`recording_generate`), so it reads exactly the scores `_sample` softmaxes and draws from, after every processor and
+  warper transformers builds from the generation config or is given. A second hook reads the raw logits, for
+  log mu_base = log_softmax(logits / T) whenever the chain does more than temperature (truncation, penalties, ...).
+- vLLM: `record_vllm_logprobs` wraps `VLLMGeneration.generate`. vLLM returns processed (renormalised) log-probs only.
 
-Each sampled token's record is a `SampledLogprob`: a float, so GRPOTrainer threads it through its rollout code (tool
-calls included) into `sampling_per_token_logps` as it does vLLM's log-probabilities, and it carries the sampler's
-top-K along the way.
+What GRPOTrainer receives are floats (it threads them through tool calls into `sampling_per_token_logps`); when the
+batch needs more than that float, each carries its token's row in the store (`records.tag_logps`).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 from transformers import GenerationConfig
-from transformers.generation.logits_process import (
-    LogitsProcessor,
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper
+
+from .records import VOID_ID, SamplerRecords
 
 __all__ = [
-    "SampledLogprob",
     "SamplerLogprobRecorder",
+    "check_recordable_sampling",
     "recording_generate",
     "record_vllm_logprobs",
     "sync_weights_in_place",
-    "kept_set_tensors",
 ]
 
-# A kept-set slot with no token: the sampled token is already among the top K
-VOID_ID = -1
+# Generation-config fields that select a decoding method other than transformers' multinomial sampling (`_sample`)
+_UNRECORDED_OPTIONS = {
+    "num_beams": lambda v: v is not None and v > 1,
+    "num_beam_groups": lambda v: v is not None and v > 1,
+    "prompt_lookup_num_tokens": lambda v: v is not None,
+    "assistant_early_exit": lambda v: v is not None,
+    "dola_layers": lambda v: v is not None,
+    "penalty_alpha": lambda v: v is not None and v > 0,
+    "constraints": lambda v: v is not None,
+    "force_words_ids": lambda v: v is not None,
+}
+# `generate()` arguments that replace the sampling loop or the model that proposes tokens
+_UNRECORDED_ARGUMENTS = ("assistant_model", "custom_generate")
 
 
-class SampledLogprob(float):
-    """log mu(y_t) of a sampled token, with the sampler's kept set for the top-K divergence.
-
-    `kept_ids` / `kept_logps` hold K + 1 slots: the sampler's K most likely tokens, then the sampled token when it is
-    not among them (else an empty slot, id -1 and log-prob -inf). Empty when top-K was not requested.
-    """
-
-    kept_ids: tuple[int, ...]
-    kept_logps: tuple[float, ...]
-
-    def __new__(cls, value: float, kept_ids: tuple[int, ...] = (), kept_logps: tuple[float, ...] = ()):
-        record = super().__new__(cls, value)
-        record.kept_ids = kept_ids
-        record.kept_logps = kept_logps
-        return record
-
-    def __reduce__(self):  # keep the kept set when a record is pickled (gathered across processes)
-        return (SampledLogprob, (float(self), self.kept_ids, self.kept_logps))
-
-
-def sampling_warpers(generation_config: GenerationConfig) -> LogitsProcessorList:
-    """The warpers transformers applies after custom logits processors when it samples, in its order."""
-    warpers = LogitsProcessorList()
-    if generation_config.temperature is not None and generation_config.temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(generation_config.temperature))
-    if generation_config.top_k:
-        warpers.append(TopKLogitsWarper(top_k=generation_config.top_k))
-    if generation_config.top_p is not None and generation_config.top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p=generation_config.top_p))
-    if generation_config.min_p is not None:
-        warpers.append(MinPLogitsWarper(min_p=generation_config.min_p))
-    return warpers
+def check_recordable_sampling(generation_config: GenerationConfig, **generate_kwargs) -> None:
+    """Raise, naming the option, unless `generate()` will draw each token from softmax of its processed scores."""
+    for name in _UNRECORDED_ARGUMENTS:
+        if generate_kwargs.get(name) is not None:
+            raise ValueError(
+                f"generate({name}=...) replaces transformers' sampling loop, whose distribution DPPO records as mu. "
+                f"Remove {name}, or use vLLM generation (use_vllm=True)."
+            )
+    if generation_config.do_sample is not True:
+        raise ValueError(
+            f"do_sample={generation_config.do_sample!r}: DPPO needs the probability each token was sampled with, and "
+            "greedy decoding samples nothing. Set do_sample=True (in generation_kwargs)."
+        )
+    for name, unrecorded in _UNRECORDED_OPTIONS.items():
+        value = getattr(generation_config, name, None)
+        if unrecorded(value):
+            raise ValueError(
+                f"{name}={value!r} selects a decoding method other than multinomial sampling, so the distribution a "
+                f"token was drawn from is not the one DPPO records as mu. Remove {name} from generation_kwargs."
+            )
+    mode = generation_config.get_generation_mode()
+    if mode != GenerationMode.SAMPLE:
+        raise ValueError(f"The generation config selects {mode}; DPPO records mu only for plain sampling ('sample').")
 
 
-class SamplerLogprobRecorder(LogitsProcessor):
-    """Records log mu of each token transformers samples, and optionally the sampler's top-K, during `generate()`.
+class _Hook(LogitsProcessor):
+    """A logits processor that hands the scores to a recorder's method and returns them unchanged."""
 
-    transformers runs logits processors passed to `generate()` before its sampling warpers, so the recorder applies
-    the same warpers to a copy of the scores; it returns the scores unchanged. A token is only known once sampled, so
-    the distribution of one step waits (one `(batch, vocab)` tensor) until the next call shows the sampled token;
-    `finish` resolves the last step. Memory is of order batch x vocabulary, not length x batch x vocabulary.
-    """
-
-    def __init__(self, generation_config: GenerationConfig, topk: int = 0):
-        self.warpers = sampling_warpers(generation_config)
-        self.topk = topk
-        self._pending: torch.Tensor | None = None
-        self._logps: list[torch.Tensor] = []
-        self._kept_ids: list[torch.Tensor] = []
-        self._kept_logps: list[torch.Tensor] = []
+    def __init__(self, read: Callable[[torch.Tensor, torch.Tensor], None]):
+        self.read = read
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self._pending is not None:
-            self._resolve(input_ids[:, -1])
-        self._pending = torch.log_softmax(self.warpers(input_ids, scores.float().clone()), dim=-1)
+        self.read(input_ids, scores)
         return scores
 
+
+class SamplerLogprobRecorder:
+    """Records log mu of each token transformers samples (and the top-K, and log mu_base when needed) in `generate()`.
+
+    `processors(chain)` returns transformers' chain with a hook on each side: the last one reads the scores `_sample`
+    softmaxes, i.e. the sampling distribution after every processor and warper; the first one reads the raw logits and
+    is only added when the chain does more than divide by the trainer's temperature. A token is only known once
+    sampled, so a step's distributions wait (`(batch, vocab)` tensors) until the next step shows the sampled token;
+    `finish` resolves the last step. Memory is of order batch x vocabulary, plus the records themselves.
+    """
+
+    def __init__(self, topk: int = 0, temperature: float = 1.0):
+        self.topk = topk
+        self.temperature = temperature
+        self.with_base = False
+        self._raw: torch.Tensor | None = None
+        self._pending: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._steps: dict[str, list[torch.Tensor]] = {"sampled": [], "base": [], "top_ids": [], "top_logps": []}
+
+    def processors(self, chain: LogitsProcessorList) -> LogitsProcessorList:
+        """transformers' processor chain for one `generate()` call, with the recorder's hooks around it."""
+        self.with_base = any(
+            not (isinstance(p, TemperatureLogitsWarper) and p.temperature == self.temperature) for p in chain
+        )
+        hooked = LogitsProcessorList([_Hook(self._read_raw)] if self.with_base else [])
+        hooked.extend(chain)
+        hooked.append(_Hook(self._read_processed))
+        return hooked
+
+    def _read_raw(self, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        self._resolve(input_ids[:, -1])
+        self._raw = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+
+    def _read_processed(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
+        self._resolve(input_ids[:, -1])
+        self._pending = (torch.log_softmax(scores.float(), dim=-1), self._raw)
+        self._raw = None
+
     def _resolve(self, tokens: torch.Tensor) -> None:
-        logps = self._pending
-        sampled = logps.gather(-1, tokens[:, None]).squeeze(-1)
-        self._logps.append(sampled)
-        if self.topk:
-            top_logps, top_ids = logps.topk(self.topk, dim=-1)
-            in_top = (top_ids == tokens[:, None]).any(-1)
-            extra_id = torch.where(in_top, torch.full_like(tokens, VOID_ID), tokens)
-            extra_logp = torch.where(in_top, torch.full_like(sampled, -math.inf), sampled)
-            self._kept_ids.append(torch.cat([top_ids, extra_id[:, None]], dim=-1))
-            self._kept_logps.append(torch.cat([top_logps, extra_logp[:, None]], dim=-1))
+        if self._pending is None:
+            return
+        processed, base = self._pending
+        self._steps["sampled"].append(processed.gather(-1, tokens[:, None]).squeeze(-1))
+        if base is not None:
+            self._steps["base"].append(base.gather(-1, tokens[:, None]).squeeze(-1))
+        if self.topk:  # the top-K the trainer's pi is compared with: under mu_base when it differs
+            top_logps, top_ids = (processed if base is None else base).topk(self.topk, dim=-1)
+            self._steps["top_ids"].append(top_ids.int())
+            self._steps["top_logps"].append(top_logps)
         self._pending = None
 
-    def finish(self, completion_ids: list[list[int]]) -> list[list[SampledLogprob]]:
-        """Resolve the last step and return the records of each completion (as truncated by the trainer)."""
+    def finish(self, completion_ids: list[list[int]], records: SamplerRecords) -> list[list[float]]:
+        """Resolve the last step, store the records of each completion (as truncated by the trainer) in `records`
+        and return the sampled log-probabilities per completion, tagged with their rows when the batch needs them."""
         if self._pending is not None:
-            steps = len(self._logps) + 1
+            steps = len(self._steps["sampled"]) + 1
             last = [ids[steps - 1] if len(ids) == steps else 0 for ids in completion_ids]
-            self._resolve(torch.tensor(last, device=self._pending.device))
-        logps = torch.stack(self._logps, dim=1).tolist() if self._logps else [[] for _ in completion_ids]
-        if self.topk:
-            kept_ids = torch.stack(self._kept_ids, dim=1).tolist()
-            kept_logps = torch.stack(self._kept_logps, dim=1).tolist()
-        records = []
-        for i, ids in enumerate(completion_ids):
-            if self.topk:
-                row = [
-                    SampledLogprob(v, tuple(ids_t), tuple(lps_t))
-                    for v, ids_t, lps_t in zip(logps[i], kept_ids[i], kept_logps[i])
-                ]
-            else:
-                row = [SampledLogprob(v) for v in logps[i]]
-            records.append(row[: len(ids)])
-        return records
+            self._resolve(torch.tensor(last, device=self._pending[0].device))
+        lengths = [len(ids) for ids in completion_ids]
+        steps = len(self._steps["sampled"])
+        if steps == 0:
+            if any(lengths):
+                raise RuntimeError(
+                    "generate() sampled tokens but the recorder saw no sampling step: its hooks were not in "
+                    "transformers' processor chain."
+                )
+            return [[] for _ in completion_ids]
+        kept = torch.arange(steps) < torch.tensor(lengths)[:, None]  # (B, steps), row-major = token order
+
+        def stacked(key: str) -> torch.Tensor | None:
+            return torch.stack(self._steps[key], dim=1).cpu()[kept] if self._steps[key] else None
+
+        sampled = stacked("sampled")
+        if self.topk or self.with_base:
+            values = records.add(sampled, stacked("top_ids"), stacked("top_logps"), stacked("base")).tolist()
+        else:
+            values = sampled.tolist()
+        ends = list(itertools.accumulate(lengths))
+        return [values[end - length : end] for end, length in zip(ends, lengths)]
 
 
 @contextmanager
-def recording_generate(model: torch.nn.Module, recorder: LogitsProcessor) -> Iterator[None]:
-    """Within the block, `model.generate(...)` also runs `recorder` as a logits processor."""
-    original = model.generate
+def recording_generate(model: torch.nn.Module, recorder: SamplerLogprobRecorder) -> Iterator[None]:
+    """Within the block, `model.generate(...)` runs `recorder`'s hooks around transformers' own processor chain.
 
-    @functools.wraps(original)
+    transformers builds the chain in `_get_logits_processor` (processors, the caller's, then the sampling warpers) and
+    `_sample` draws each token from softmax of its output; the hooks are added to what that method returns.
+    """
+    # A PEFT model's generate() runs the base model's, which builds the chain
+    generator = model.get_base_model() if hasattr(model, "get_base_model") else model
+    original_generate, original_chain = model.generate, generator._get_logits_processor
+
+    @functools.wraps(original_generate)
     def generate(*args, **kwargs):
-        processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
-        processors.append(recorder)
-        return original(*args, logits_processor=processors, **kwargs)
+        for name in _UNRECORDED_ARGUMENTS:
+            if kwargs.get(name) is not None:
+                check_recordable_sampling(GenerationConfig(do_sample=True), **kwargs)
+        return original_generate(*args, **kwargs)
 
-    model.generate = generate
+    @functools.wraps(original_chain)
+    def get_logits_processor(*args, **kwargs):
+        generation_config = kwargs["generation_config"] if "generation_config" in kwargs else args[0]
+        check_recordable_sampling(generation_config)
+        return recorder.processors(original_chain(*args, **kwargs))
+
+    model.generate, generator._get_logits_processor = generate, get_logits_processor
     try:
         yield
     finally:
-        del model.generate  # back to the class's method
+        del model.generate, generator._get_logits_processor  # back to the class's methods
 
 
-def _record_from_vllm(ids: list[int], logps: list[float | None], token: int, topk: int) -> SampledLogprob:
-    """One position of vLLM's output (entries sorted by rank, the sampled token included) as a record."""
-    as_float = [math.nan if lp is None else lp for lp in logps]  # vLLM reports a NaN log-prob as None
-    value = as_float[ids.index(token)] if token in ids else math.nan
-    if not topk:
-        return SampledLogprob(value)
-    top_ids, top_logps = list(ids[:topk]), as_float[:topk]
-    if token in top_ids:
-        top_ids.append(VOID_ID)
-        top_logps.append(-math.inf)
-    else:
-        top_ids.append(token)
-        top_logps.append(value)
-    return SampledLogprob(value, tuple(top_ids), tuple(top_logps))
+# vLLM output is turned into records this many tokens at a time, which bounds the transient arrays
+_VLLM_CHUNK_TOKENS = 1 << 14
 
 
-def record_vllm_logprobs(generate: Callable, topk: int = 0) -> Callable:
-    """Wrap `VLLMGeneration.generate` so that entry 0 of each token's log-probabilities is the sampled token's record.
+def _flat_floats(nested: list, count: int) -> np.ndarray:
+    """The floats of a list of lists of lists, in order, as float32."""
+    chain = itertools.chain.from_iterable
+    try:
+        return np.fromiter(chain(chain(nested)), dtype=np.float32, count=count)
+    except TypeError:  # vLLM reports a NaN log-prob as None
+        return np.array([math.nan if v is None else v for v in chain(chain(nested))], dtype=np.float32)
 
-    GRPOTrainer keeps entry 0 of what the backend returns for each token; vLLM sorts the entries by rank, so without
-    this wrapper a request for K > 0 log-probabilities would make it keep the most likely token's, not the sampled one.
+
+def _vllm_topk_arrays(completion_ids, logprobs, token_ids, topk: int) -> tuple[np.ndarray, ...]:
+    """Sampled log-probs `(N,)`, top-K ids `(N, K)` and log-probs `(N, K)` of a run of sequences of vLLM's output.
+
+    vLLM lists each token's entries by rank, K or K + 1 of them (the sampled token is added when outside the top K).
+    """
+    chain = itertools.chain.from_iterable
+    n = sum(map(len, completion_ids))
+    widths = np.fromiter(map(len, chain(token_ids)), dtype=np.int64, count=n)
+    total = int(widths.sum())
+    ids = np.fromiter(chain(chain(token_ids)), dtype=np.int32, count=total)
+    logps = _flat_floats(logprobs, total)
+    tokens = np.fromiter(chain(completion_ids), dtype=np.int32, count=n)
+    starts = np.cumsum(widths) - widths
+    cols = np.arange(topk)
+    in_row = cols < widths[:, None]
+    index = np.minimum(starts[:, None] + cols, max(total - 1, 0))
+    top_ids = np.where(in_row, ids[index], np.int32(VOID_ID))
+    top_logps = np.where(in_row, logps[index], np.float32(-np.inf))
+    match = top_ids == tokens[:, None]
+    sampled = top_logps[np.arange(n), match.argmax(1)]
+    extra = np.minimum(starts + topk, max(total - 1, 0))  # the (K+1)-th entry, where vLLM added the sampled token
+    extra_match = (widths > topk) & (ids[extra] == tokens)
+    sampled = np.where(match.any(1), sampled, np.where(extra_match, logps[extra], np.float32(np.nan)))
+    return sampled, top_ids, top_logps
+
+
+def record_vllm_logprobs(generate: Callable, topk: int = 0, records: Callable[[], SamplerRecords] | None = None):
+    """Wrap `VLLMGeneration.generate` so that entry 0 of each token's log-probabilities is the sampled token's.
+
+    With `topk = 0` vLLM is asked for the sampled token's log-probability only (`logprobs=0`), which is already entry
+    0: the output passes through untouched. With K > 0 vLLM lists each token's entries by rank and GRPOTrainer keeps
+    entry 0; the wrapper stores the top-K in `records()` (the generation batch's store) and puts the sampled token's
+    log-probability, tagged with its row, in entry 0.
     """
 
     @functools.wraps(generate)
@@ -185,11 +255,24 @@ def record_vllm_logprobs(generate: Callable, topk: int = 0) -> Callable:
             raise RuntimeError(
                 "vLLM returned no log-probabilities; DPPO needs the sampler's log-probability of every sampled token."
             )
-        records = [
-            [[_record_from_vllm(ids, lps, token, topk)] for ids, lps, token in zip(seq_ids, seq_lps, seq, strict=True)]
-            for seq_ids, seq_lps, seq in zip(logprob_token_ids, logprobs, completion_ids, strict=True)
-        ]
-        return prompt_ids, completion_ids, records, logprob_token_ids
+        if not topk:
+            return prompt_ids, completion_ids, logprobs, logprob_token_ids
+        store = records()
+        start = 0
+        while start < len(completion_ids):
+            end, tokens = start, 0
+            while end < len(completion_ids) and (tokens < _VLLM_CHUNK_TOKENS or end == start):
+                tokens += len(completion_ids[end])
+                end += 1
+            sampled, top_ids, top_logps = _vllm_topk_arrays(
+                completion_ids[start:end], logprobs[start:end], logprob_token_ids[start:end], topk
+            )
+            tagged = store.add(torch.from_numpy(sampled), torch.from_numpy(top_ids), torch.from_numpy(top_logps))
+            # Entry 0 of vLLM's own per-token lists (made for this call) takes the record: no new list per token
+            for entry, value in zip(itertools.chain.from_iterable(logprobs[start:end]), tagged.tolist()):
+                entry[0] = value
+            start = end
+        return prompt_ids, completion_ids, logprobs, logprob_token_ids
 
     return wrapped
 
@@ -207,23 +290,3 @@ def sync_weights_in_place(vllm_generation) -> None:
     weights = ((name, tensor.detach().clone()) for name, tensor in vllm_generation._iter_named_params())
     runner.reload_weights(weights_iterator=weights)
     vllm_generation.llm.reset_prefix_cache()
-
-
-def kept_set_tensors(
-    records: list[list[float | None]], length: int, topk: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad the kept sets carried by the rollout's records into `(B, length, K + 1)` id and log-prob tensors.
-
-    Tokens that carry no kept set (tool-result tokens, padding) get empty slots (id -1, log-prob -inf).
-    """
-    void_ids, void_logps = (VOID_ID,) * (topk + 1), (-math.inf,) * (topk + 1)
-    ids, logps = [], []
-    for row in records:
-        kept = list(row[:length]) + [None] * (length - len(row))
-        has = [isinstance(r, SampledLogprob) and bool(r.kept_ids) for r in kept]
-        ids.append([r.kept_ids if h else void_ids for r, h in zip(kept, has)])
-        logps.append([r.kept_logps if h else void_logps for r, h in zip(kept, has)])
-    return (
-        torch.tensor(ids, dtype=torch.long, device=device).view(len(records), length, topk + 1),
-        torch.tensor(logps, dtype=torch.float32, device=device).view(len(records), length, topk + 1),
-    )

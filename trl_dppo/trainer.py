@@ -15,9 +15,12 @@ in one small override:
 - `_compute_loss`: arms the previous override for one loss computation, and takes tokens without a sampler
   log-probability out of the loss.
 
-`_generate` and `_generate_and_score_completions` additionally carry the sampler's top-K into the batch when the
-divergence is top-K. `docs/overrides.md` lists every override and `tests/test_upstream_contract.py` pins the
-GRPOTrainer behaviour each relies on.
+`_generate` and `_generate_and_score_completions` additionally carry the sampler's records beyond the float TRL keeps
+into the batch (`records.py`): the top-K when the divergence is top-K, and log mu_base, the sampler's distribution
+before truncation or penalties, when the sampler's chain had any. The divergence and the direction test compare pi
+with mu_base (like with like: pi is softmax(logits / T)); the ratio pi/mu keeps the mu the token was drawn from.
+`docs/overrides.md` lists every override and `tests/test_upstream_contract.py` pins the GRPOTrainer behaviour each
+relies on.
 """
 
 from __future__ import annotations
@@ -40,9 +43,10 @@ from trl import GRPOConfig, GRPOTrainer
 from .config import DPPOConfig
 from .divergence import binary_divergence, topk_divergence, trust_region_mask
 from .losses import ratio_clip_keep, trust_region_weights
+from .records import SamplerRecords
 from .rollout import (
     SamplerLogprobRecorder,
-    kept_set_tensors,
+    check_recordable_sampling,
     record_vllm_logprobs,
     recording_generate,
     sync_weights_in_place,
@@ -186,14 +190,17 @@ class DPPOTrainer(GRPOTrainer):
                 )
         self._loss_inputs: dict[str, Any] | None = None  # set while a loss is computed
         self._scoring = False  # set while a generation batch is scored
-        self._rollout_logprobs: list | None = None
         # The optimizer step at which the training batch in use was generated: the loss runs on the weights that
         # sampled it (`mismatch/at_sync_*`) while `state.global_step` still equals it
         self._generated_at_step: int | None = None
+        # The sampler's records of the generation batch in progress: set when one starts, cleared once in the batch
+        self._sampler_records: SamplerRecords | None = None
         self.masked_token_counts = {"positive": Counter(), "negative": Counter()}
         self.add_callback(_MaskedTokensWriter(self))
         if self.use_vllm:
             self._wrap_vllm_backend()
+        elif self.rollout_func is None:
+            check_recordable_sampling(self.generation_config)
 
     # ----------------------------------------------------------------------------------------------- generation
 
@@ -202,7 +209,7 @@ class DPPOTrainer(GRPOTrainer):
         backend = self.vllm_generation
         if backend.mode == "server":
             self._check_server_logprobs_mode(backend)
-        backend.generate = record_vllm_logprobs(backend.generate, self.topk)
+        backend.generate = record_vllm_logprobs(backend.generate, self.topk, self._current_sampler_records)
         if self.topk:
             backend.logprobs = self.topk
         if backend.mode == "colocate":
@@ -238,38 +245,47 @@ class DPPOTrainer(GRPOTrainer):
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        recorder = SamplerLogprobRecorder(self.generation_config, self.topk)
+        recorder = SamplerLogprobRecorder(self.topk, self.temperature)
         with recording_generate(self.accelerator.unwrap_model(self.model_wrapped), recorder):
             completion_ids, _ = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        return completion_ids, recorder.finish(completion_ids)
+        return completion_ids, recorder.finish(completion_ids, self._current_sampler_records())
+
+    def _current_sampler_records(self) -> SamplerRecords:
+        if self._sampler_records is None:
+            raise RuntimeError(
+                "The sampler's records are kept per generation batch: generate through "
+                "`_generate_and_score_completions`."
+            )
+        return self._sampler_records
 
     def _generate(self, prompts: list):
         output = super()._generate(prompts)
-        self._rollout_logprobs = output[4]  # the records after tool-call stitching, for the top-K kept sets
+        if self._sampler_records is not None and self._sampler_records.needed:
+            # The float lists after tool-call stitching say which record each completion token has
+            self._sampler_records.rollout_logprobs = output[4]
         return output
 
     def _generate_and_score_completions(self, inputs):
         if self.model.training:
             self._generated_at_step = self.state.global_step
         self._scoring = True
+        self._sampler_records = SamplerRecords(topk=self.topk)
         try:
             output = super()._generate_and_score_completions(inputs)
+            if "sampling_per_token_logps" not in output:
+                raise RuntimeError(
+                    "DPPO needs the sampler's log-probability of every sampled token (mu), but the rollout returned "
+                    "none. A `rollout_func` must return them under 'logprobs': one list per completion with "
+                    "log mu(y_t) of each completion token, taken from the distribution it sampled from."
+                )
+            output.update(
+                self._sampler_records.batch_tensors(output["completion_ids"], output["sampling_per_token_logps"])
+            )
         finally:
             self._scoring = False
-        if "sampling_per_token_logps" not in output:
-            raise RuntimeError(
-                "DPPO needs the sampler's log-probability of every sampled token (mu), but the rollout returned "
-                "none. A `rollout_func` must return them under 'logprobs': one list per completion with log mu(y_t) "
-                "of each completion token, taken from the distribution it sampled from."
-            )
-        if self.topk:
-            ids, logps = kept_set_tensors(
-                self._rollout_logprobs, output["completion_ids"].size(1), self.topk, output["completion_ids"].device
-            )
-            output["sampler_kept_ids"], output["sampler_kept_logps"] = ids, logps
-        self._rollout_logprobs = None
+            self._sampler_records = None
         return output
 
     # --------------------------------------------------------------------------------------------------- loss
@@ -319,6 +335,8 @@ class DPPOTrainer(GRPOTrainer):
         missing = ~torch.isfinite(inputs["sampling_per_token_logps"])
         if self.topk:
             missing |= torch.isnan(inputs["sampler_kept_logps"]).any(-1)
+        if "sampler_base_logps" in inputs:
+            missing |= ~torch.isfinite(inputs["sampler_base_logps"])
         missing &= mask.bool()
         if missing.any():  # `tool_mask` only masks the loss, so this takes the tokens out without touching attention
             inputs["tool_mask"] = inputs.get("tool_mask", torch.ones_like(mask)) * (~missing).long()
@@ -340,6 +358,11 @@ class DPPOTrainer(GRPOTrainer):
         advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
         # Tokens outside the loss get a neutral anchor so that no NaN reaches the loss
         sampler_logps = torch.where(mask, inputs["sampling_per_token_logps"], trainer_logps)
+        # The divergence and the direction of pi's move compare pi with the sampler's untruncated distribution
+        # (log_softmax(logits / T), recorded when the sampler truncated or penalised); the ratio keeps what was sampled
+        base_logps = sampler_logps
+        if "sampler_base_logps" in inputs:
+            base_logps = torch.where(mask, inputs["sampler_base_logps"], trainer_logps)
         if self.topk:
             trainer_kept = lm_head_kept_logps(
                 self._causal_lm().get_output_embeddings(),
@@ -353,7 +376,7 @@ class DPPOTrainer(GRPOTrainer):
             trainer_kept = trainer_kept.masked_fill(~mask[..., None], -float("inf"))
             divergence = topk_divergence(sampler_kept, trainer_kept, self.kind)
         else:
-            divergence = binary_divergence(sampler_logps, trainer_logps, self.kind)
+            divergence = binary_divergence(base_logps, trainer_logps, self.kind)
         weights, keep = trust_region_weights(
             self.args.trust_region,
             trainer_logps,
@@ -367,13 +390,32 @@ class DPPOTrainer(GRPOTrainer):
             eps_high=self.epsilon_high,
             anchor_logps=trainer_logps if self._anchor_logps is None else self._anchor_logps,
             negative_threshold=self.args.negative_mask_threshold,
+            base_logps=base_logps,
         )
         inputs["advantages"] = weights * mask
         # DPPO's own mask, whatever the trust region: the diagnostics compare it with PPO's clip
         dppo_keep = trust_region_mask(
-            divergence, sampler_logps, trainer_logps, advantages, self.args.delta_low, self.args.delta_high
+            divergence, base_logps, trainer_logps, advantages, self.args.delta_low, self.args.delta_high
         )
-        self._log_trust_region(inputs, mask, keep, dppo_keep, advantages, sampler_logps, trainer_logps)
+        self._log_trust_region(inputs, mask, keep, dppo_keep, advantages, base_logps, trainer_logps)
+        if self.use_vllm and self.args.vllm_allow_truncated_sampling:
+            self._log_truncation_gap(mask, sampler_logps, trainer_logps)
+
+    def _log_truncation_gap(self, mask, sampler_logps, trainer_logps) -> None:
+        """With `vllm_allow_truncated_sampling`, log what truncation alone adds to the divergence.
+
+        On the first optimizer step after a generation the trainer's weights are the sampler's, so mu/pi - 1 estimates
+        (1 - Z)/Z, Z being the mass the truncation kept, and mu - pi the spurious binary TV, compared with delta.
+        """
+        if self.state.global_step != self._last_loaded_step:
+            return
+        mu, pi = sampler_logps.exp(), trainer_logps.exp()
+        over = (mu - pi > self.args.delta_low) & mask
+        sums = torch.stack([((mu / pi - 1) * mask).sum(), over.sum(), mask.sum()]).float()
+        gap, over, tokens = self.accelerator.reduce(sums, reduction="sum").tolist()
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        metrics["truncation/kept_mass_gap"].append(gap / max(tokens, 1.0))
+        metrics["truncation/spurious_tv_over_delta_fraction"].append(over / max(tokens, 1.0))
 
     def _log_trust_region(self, inputs, mask, keep, dppo_keep, advantages, sampler_logps, trainer_logps) -> None:
         """Gather the trust-region, mismatch and diagnostic metrics over processes and record them for logging."""

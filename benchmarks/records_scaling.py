@@ -1,0 +1,361 @@
+"""What recording mu costs, against what GRPOTrainer spends on the same log-probabilities, from 10k to 1M tokens.
+
+Part 1, the record path: synthetic backend output, no model. vLLM-shaped: the nested lists `VLLMGeneration.generate`
+returns (per sequence, per token, K or K + 1 log-probs and ids sorted by rank, or one with `logprobs=0`).
+transformers-shaped: the recorder's per-step tensors. For each size and mode (binary; top-K, K = 20), in one process:
+
+- TRL: GRPOTrainer's own handling. vLLM: `GRPOTrainer._generate_single_turn` itself, called on a stub trainer with a
+  stub backend (it keeps entry 0 of each token), then the padding into `sampling_per_token_logps` (the two statements
+  of `_generate_and_score_completions` that do it, calling TRL's `pad`; that method cannot run alone). transformers:
+  TRL records no log-probabilities there, so its reference is that padding of the same per-completion floats.
+- DPPO: the whole record path, from the backend's output to the batch tensors: the wrapped backend
+  (`record_vllm_logprobs`) or `SamplerLogprobRecorder.finish`, the same GRPOTrainer code, then
+  `SamplerRecords.batch_tensors`.
+
+Time: best of `--repeats` runs, alternating TRL and DPPO. Memory: peak of Python allocations (tracemalloc, which also
+sees numpy's) during the path, plus the bytes of the tensors it leaves (the store and the batch tensors), per token.
+
+Part 2, the recorder in real generation: `generate()` on SmolLM2-135M (the offline default model) at batch 64 x 256
+new tokens, with no recorder, the binary recorder and the top-K recorder, interleaved, `--model-repeats` times each.
+
+    .venv/bin/python benchmarks/records_scaling.py --out benchmarks/results/records_scaling
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trl import GRPOTrainer  # noqa: E402
+from trl.trainer.utils import pad  # noqa: E402
+
+from trl_dppo.records import SamplerRecords  # noqa: E402
+from trl_dppo.rollout import SamplerLogprobRecorder, record_vllm_logprobs, recording_generate  # noqa: E402
+
+VOCAB = 49152
+SEQ_LEN = 1000  # tokens per completion
+
+
+# ------------------------------------------------------------------------------------------- synthetic outputs
+
+
+def vllm_output(tokens: int, topk: int, seed: int = 0):
+    """`VLLMGeneration.generate`'s four lists for `tokens` sampled tokens."""
+    rng = random.Random(seed)
+    completion_ids, logprobs, token_ids = [], [], []
+    for _ in range(tokens // SEQ_LEN):
+        seq_ids, seq_lps, seq_tids = [], [], []
+        for _ in range(SEQ_LEN):
+            token = rng.randrange(VOCAB)
+            if not topk:
+                seq_lps.append([float(torch.tensor(-rng.random() * 3).float())])
+                seq_tids.append([token])
+            else:
+                top = rng.sample(range(VOCAB), topk)
+                lps = sorted((-rng.random() * 8 for _ in range(topk + 1)), reverse=True)
+                lps = [float(x) for x in torch.tensor(lps, dtype=torch.float32).tolist()]
+                if rng.random() < 0.8:  # the sampled token is usually among the top K
+                    token = top[rng.randrange(topk)]
+                    seq_tids.append(top)
+                    seq_lps.append(lps[:topk])
+                else:
+                    seq_tids.append(top + [token])
+                    seq_lps.append(lps)
+            seq_ids.append(token)
+        completion_ids.append(seq_ids)
+        logprobs.append(seq_lps)
+        token_ids.append(seq_tids)
+    return [[1, 2, 3]] * len(completion_ids), completion_ids, logprobs, token_ids
+
+
+def recorder_steps(tokens: int, topk: int, seed: int = 0):
+    """The per-step tensors a `SamplerLogprobRecorder` holds after `generate()`, and the completions."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = tokens // SEQ_LEN
+    steps = {"sampled": [], "base": [], "top_ids": [], "top_logps": []}
+    for _ in range(SEQ_LEN):
+        steps["sampled"].append(-torch.rand(batch, generator=gen) * 3)
+        if topk:
+            steps["top_ids"].append(torch.randint(VOCAB, (batch, topk), generator=gen, dtype=torch.int32))
+            steps["top_logps"].append(-torch.rand(batch, topk, generator=gen).sort(-1).values * 8)
+    completion_ids = torch.randint(VOCAB, (batch, SEQ_LEN), generator=gen).tolist()
+    return steps, completion_ids
+
+
+# ------------------------------------------------------------------------------------------------- the paths
+
+
+def stub_trainer(generate):
+    """Just what `GRPOTrainer._generate_single_turn` reads on the vLLM path (weights already synced)."""
+    return SimpleNamespace(
+        use_vllm=True,
+        state=SimpleNamespace(global_step=0),
+        _last_loaded_step=0,
+        vllm_generation=SimpleNamespace(generate=generate),
+        args=SimpleNamespace(report_to=[]),
+        accelerator=SimpleNamespace(device=torch.device("cpu"), is_main_process=True),
+    )
+
+
+def trl_padding(logprobs: list[list[float]]) -> torch.Tensor:
+    """`_generate_and_score_completions`' padding of the rollout's log-probabilities (TRL 1.16)."""
+    tensors = [torch.tensor([float("nan") if x is None else x for x in logps]) for logps in logprobs]
+    return pad(tensors, padding_value=0.0, padding_side="right")
+
+
+def completion_tensor(completion_ids: list[list[int]]) -> torch.Tensor:
+    return pad([torch.tensor(ids) for ids in completion_ids], padding_value=0, padding_side="right")
+
+
+def trl_vllm(data, topk):
+    output, completions = data
+    stub = stub_trainer(lambda **kwargs: output)
+    _, logprobs = GRPOTrainer._generate_single_turn(stub, output[0], None, {}, 1)
+    return [trl_padding(logprobs)], []
+
+
+def fresh_vllm_lists(data, topk):
+    """A real backend makes its per-token lists afresh for each call; DPPO's wrapper writes entry 0 of them."""
+    output, completions = data
+    return ((output[0], output[1], [[list(t) for t in seq] for seq in output[2]], output[3]), completions)
+
+
+def dppo_vllm(data, topk):
+    output, completions = data
+    records = SamplerRecords(topk=topk)
+    stub = stub_trainer(record_vllm_logprobs(lambda **kwargs: output, topk, lambda: records))
+    completion_ids, logprobs = GRPOTrainer._generate_single_turn(stub, output[0], None, {}, 1)
+    sampling = trl_padding(logprobs)
+    if records.needed:
+        records.rollout_logprobs = logprobs
+    store = [*records._kept_ids, *records._kept_logps, *records._sampled, *records._base]
+    batch = records.batch_tensors(completions, sampling)
+    return [sampling, *batch.values()], store
+
+
+def trl_transformers(data, topk):
+    (steps, completion_ids), completions = data
+    sampled = torch.stack(steps["sampled"], 1)
+    return [trl_padding(sampled.tolist())], []
+
+
+def dppo_transformers(data, topk):
+    (steps, completion_ids), completions = data
+    recorder = SamplerLogprobRecorder(topk)
+    recorder._steps = {key: list(value) for key, value in steps.items()}
+    records = SamplerRecords(topk=topk)
+    logprobs = recorder.finish(completion_ids, records)
+    sampling = trl_padding(logprobs)
+    if records.needed:
+        records.rollout_logprobs = logprobs
+    store = [*records._kept_ids, *records._kept_logps, *records._sampled, *records._base]
+    batch = records.batch_tensors(completions, sampling)
+    return [sampling, *batch.values()], store
+
+
+def measure(path, prepare, data, topk):
+    data = prepare(data, topk)
+    gc.collect()
+    start = time.perf_counter()
+    path(data, topk)
+    seconds = time.perf_counter() - start
+    data = prepare(data, topk)
+    gc.collect()
+    tracemalloc.start()
+    kept, store = path(data, topk)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    kept_bytes = sum(t.numel() * t.element_size() for t in kept)
+    store_bytes = sum(t.numel() * t.element_size() for t in store if t is not None)
+    # the store lives until the batch tensors are built, then is dropped
+    return seconds, peak + kept_bytes + store_bytes, kept_bytes
+
+
+def same(data, topk):
+    return data
+
+
+def scaling(sizes: list[int], repeats: int) -> list[dict]:
+    rows = []
+    for backend, make, trl_path, dppo_path, fresh in (
+        ("vllm", vllm_output, trl_vllm, dppo_vllm, fresh_vllm_lists),
+        ("transformers", recorder_steps, trl_transformers, dppo_transformers, same),
+    ):
+        for topk in (0, 20):
+            for tokens in sizes:
+                raw = make(tokens, topk)
+                data = (raw, completion_tensor(raw[1]))
+                times = {"trl": [], "dppo": []}
+                memory, kept = {}, {}
+                for _ in range(repeats):
+                    for name, path, prepare in (("trl", trl_path, same), ("dppo", dppo_path, fresh)):
+                        seconds, memory[name], kept[name] = measure(path, prepare, data, topk)
+                        times[name].append(seconds)
+                row = {
+                    "backend": backend,
+                    "mode": f"top-{topk}" if topk else "binary",
+                    "tokens": tokens,
+                    "trl_s": min(times["trl"]),
+                    "dppo_s": min(times["dppo"]),
+                    "trl_s_all": times["trl"],
+                    "dppo_s_all": times["dppo"],
+                    "trl_bytes_per_token": memory["trl"] / tokens,
+                    "dppo_bytes_per_token": memory["dppo"] / tokens,
+                    "trl_kept_bytes_per_token": kept["trl"] / tokens,
+                    "dppo_kept_bytes_per_token": kept["dppo"] / tokens,
+                }
+                row["time_ratio"] = row["dppo_s"] / row["trl_s"]
+                row["extra_bytes_per_token"] = row["dppo_bytes_per_token"] - row["trl_bytes_per_token"]
+                row["extra_kept_bytes_per_token"] = row["dppo_kept_bytes_per_token"] - row["trl_kept_bytes_per_token"]
+                rows.append(row)
+                print(
+                    f"{backend:12s} {row['mode']:7s} {tokens:>8d} tokens: TRL {row['trl_s']:.3f} s, DPPO "
+                    f"{row['dppo_s']:.3f} s ({row['time_ratio']:.2f}x); {row['trl_bytes_per_token']:.0f} vs "
+                    f"{row['dppo_bytes_per_token']:.0f} B/token peak ({row['extra_bytes_per_token']:+.0f}), batch "
+                    f"tensors {row['extra_kept_bytes_per_token']:+.0f} B/token",
+                    flush=True,
+                )
+                del data, raw
+    return rows
+
+
+# ------------------------------------------------------------------------------------ the recorder in generate()
+
+
+def generation_overhead(batch: int, new_tokens: int, repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from trl_dppo.default_model import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=0.7,
+        top_k=0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    prompt = torch.randint(100, 40000, (batch, 16), generator=torch.Generator().manual_seed(0))
+    variants = {"no recorder": None, "binary recorder": 0, "top-20 recorder": 20}
+    times = {name: [] for name in variants}
+
+    def run(topk):
+        torch.manual_seed(0)
+        start = time.perf_counter()
+        with torch.no_grad():
+            if topk is None:
+                model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=config)
+            else:
+                recorder = SamplerLogprobRecorder(topk, 0.7)
+                with recording_generate(model, recorder):
+                    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=config)
+                recorder.finish(out[:, prompt.size(1) :].tolist(), SamplerRecords(topk))
+        return time.perf_counter() - start
+
+    run(None)  # warm-up
+    for rep in range(repeats):
+        order = list(variants.items()) if rep % 2 == 0 else list(variants.items())[::-1]
+        for name, topk in order:
+            times[name].append(run(topk))
+            print(f"[rep {rep}] {name}: {times[name][-1]:.1f} s", flush=True)
+    base = statistics.median(times["no recorder"])
+    return {
+        name: {"seconds": t, "median_s": statistics.median(t), "overhead": statistics.median(t) / base - 1}
+        for name, t in times.items()
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- output
+
+
+def write(rows, generation, out: Path, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"scaling": rows, "generation": generation}, indent=1))
+    lines = [
+        "# Record path cost against GRPOTrainer's own handling of the same log-probabilities",
+        "",
+        f"    {command}",
+        "",
+        "Peak: Python allocations at their peak (tracemalloc) plus the tensors alive at the end of the path (DPPO:",
+        "the store and the batch tensors). Batch: the tensors the batch keeps afterwards.",
+        "",
+        "| backend | mode | tokens | TRL s | DPPO s | time ratio | TRL peak B/token | DPPO peak B/token "
+        "| extra peak B/token | extra batch B/token |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['backend']} | {r['mode']} | {r['tokens']:,} | {r['trl_s']:.3f} | {r['dppo_s']:.3f} | "
+            f"{r['time_ratio']:.2f} | {r['trl_bytes_per_token']:.0f} | {r['dppo_bytes_per_token']:.0f} | "
+            f"{r['extra_bytes_per_token']:+.0f} | {r['extra_kept_bytes_per_token']:+.0f} |"
+        )
+    if generation:
+        lines += ["", "| generate() on SmolLM2-135M, 64 x 256 | median s | trials (s) | overhead |"]
+        lines += ["|---|---:|---|---:|"]
+        for name, g in generation.items():
+            trials = ", ".join(f"{t:.1f}" for t in g["seconds"])
+            lines.append(f"| {name} | {g['median_s']:.1f} | {trials} | {g['overhead']:+.1%} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for backend, style in (("vllm", "-"), ("transformers", "--")):
+        for mode, color in (("binary", "tab:blue"), ("top-20", "tab:orange")):
+            sel = [r for r in rows if r["backend"] == backend and r["mode"] == mode]
+            if not sel:
+                continue
+            x = [r["tokens"] for r in sel]
+            axes[0].plot(x, [r["dppo_s"] for r in sel], style, color=color, marker="o", label=f"DPPO {backend} {mode}")
+            axes[0].plot(x, [r["trl_s"] for r in sel], style, color="gray", marker="x", alpha=0.6)
+            axes[1].plot(x, [r["dppo_bytes_per_token"] * r["tokens"] for r in sel], style, color=color, marker="o")
+            axes[1].plot(x, [r["trl_bytes_per_token"] * r["tokens"] for r in sel], style, color="gray", marker="x")
+    xs = sorted({r["tokens"] for r in rows})
+    for ax, label in ((axes[0], "seconds"), (axes[1], "peak bytes")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("sampled tokens per generation batch")
+        ax.set_ylabel(label)
+        ref = ax.get_lines()[0].get_ydata()[0]
+        ax.plot(xs, [ref * x / xs[0] for x in xs], ":", color="black", label="linear")
+    axes[0].set_title("record path time (gray: GRPOTrainer's own)")
+    axes[1].set_title("record path memory (gray: GRPOTrainer's own)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "records_scaling.png", dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model-repeats", type=int, default=3, help="0 skips the SmolLM2 generation part")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/records_scaling"))
+    args = parser.parse_args()
+    command = "python benchmarks/records_scaling.py " + " ".join(sys.argv[1:])
+    rows = scaling(args.sizes, args.repeats)
+    write(rows, {}, args.out, command)  # the scaling results are kept even if the generation part is cut short
+    if args.model_repeats:
+        write(rows, generation_overhead(64, 256, args.model_repeats), args.out, command)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""The generation batch's record store, and the row tags its tokens carry through GRPOTrainer's float lists."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import struct
+import subprocess
+import sys
+
+import torch
+
+from trl_dppo.records import VOID_ID, SamplerRecords, tag_logps, tagged_rows
+
+# float32 values that must survive tagging bit for bit, as TRL turns the floats into `sampling_per_token_logps`
+EDGE_VALUES = torch.tensor(
+    [0.0, -0.0, -1e-45, -1.2e-38, -3.4e38, -1.0, -0.1234567, -17.5, float("nan"), float("-inf")], dtype=torch.float32
+)
+
+
+def trl_float32(values: list[float]) -> torch.Tensor:
+    """What GRPOTrainer does with a completion's floats: `torch.tensor` of the list (float32)."""
+    return torch.tensor([float("nan") if x is None else x for x in values])
+
+
+def test_tags_vanish_in_the_float32_tensor_trl_builds_bit_for_bit():
+    tagged = tag_logps(EDGE_VALUES, first_row=(1 << 27) - 20).tolist()
+    assert trl_float32(tagged).view(torch.int32).tolist() == EDGE_VALUES.view(torch.int32).tolist()
+    # ... while the float64 values carry their rows (all but -inf, which cannot carry one)
+    rows = tagged_rows([tagged], len(tagged))[0].tolist()
+    assert rows[:-1] == list(range((1 << 27) - 20, (1 << 27) - 20 + len(tagged) - 1)) and rows[-1] == -1
+
+
+def test_tags_survive_pickling_to_another_process():
+    """Processes exchange the float lists by pickling (accelerate's gather_object); the bits stay."""
+    tagged = tag_logps(EDGE_VALUES, first_row=5).tolist()
+    script = (
+        "import pickle, struct, sys; v = pickle.load(sys.stdin.buffer); print([struct.pack('<d', x).hex() for x in v])"
+    )
+    out = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(tagged), capture_output=True, check=True)
+    assert out.stdout.decode().strip() == str([struct.pack("<d", x).hex() for x in tagged])
+
+
+def test_rows_follow_tokens_through_tool_stitching_and_truncation():
+    """TRL stitches `logprobs[i] += [0.0] * tool_len + post_tool` and truncates with slices."""
+    store = SamplerRecords(topk=2)
+    first = store.add(
+        torch.tensor([-0.1, -0.2, -0.3]),
+        torch.tensor([[1, 2], [3, 4], [5, 6]]),
+        torch.tensor([[-0.1, -2.0], [-0.5, -0.6], [-1.0, -1.1]]),
+    ).tolist()
+    post_tool = store.add(torch.tensor([-0.7, -0.8]), torch.tensor([[7, 8], [9, 10]]), torch.full((2, 2), -0.9))
+    rows = [first[:2] + [0.0, 0.0] + post_tool.tolist()[:1], first[2:]]
+    store.rollout_logprobs = rows
+    completion_ids = torch.tensor([[1, 3, 100, 101, 42, 0], [6, 0, 0, 0, 0, 0]])
+    sampling = torch.nn.utils.rnn.pad_sequence([trl_float32(r) for r in rows], batch_first=True)
+    sampling = torch.nn.functional.pad(sampling, (0, 1))
+    batch = store.batch_tensors(completion_ids, sampling)
+    ids, logps = batch["sampler_kept_ids"], batch["sampler_kept_logps"]
+    assert ids.shape == (2, 6, 3) and ids.dtype == torch.int32 and logps.dtype == torch.float32
+    assert ids[0, :, :2].tolist() == [[1, 2], [3, 4], [VOID_ID] * 2, [VOID_ID] * 2, [7, 8], [VOID_ID] * 2]
+    # the sampled token takes the last slot only when outside the top K
+    assert ids[0, :, 2].tolist() == [VOID_ID, VOID_ID, VOID_ID, VOID_ID, 42, VOID_ID]
+    assert logps[0, 4, 2].item() == sampling[0, 4].item() and logps[0, 0, 2].item() == -math.inf
+    assert ids[1, 0].tolist() == [5, 6, VOID_ID] and (ids[1, 1:] == VOID_ID).all()
+    assert "sampler_base_logps" not in batch
+
+
+def test_base_logps_are_kept_only_when_recorded_and_fill_the_sampled_slot():
+    store = SamplerRecords(topk=1)
+    tagged = store.add(torch.tensor([-0.5]), torch.tensor([[3]]), torch.tensor([[-0.2]]), torch.tensor([-0.9]))
+    store.rollout_logprobs = [tagged.tolist()]
+    batch = store.batch_tensors(torch.tensor([[7]]), torch.tensor([[-0.5]]))
+    assert batch["sampler_base_logps"].tolist() == [[-0.8999999761581421]]
+    assert batch["sampler_kept_ids"].tolist() == [[[3, 7]]]
+    assert batch["sampler_kept_logps"][0, 0, 1].item() == batch["sampler_base_logps"][0, 0].item()
+
+
+def test_binary_records_without_base_need_nothing_beyond_the_float():
+    store = SamplerRecords(topk=0)
+    assert not store.needed and store.batch_tensors(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3)) == {}
