@@ -267,7 +267,8 @@ def generation_overhead(batch: int, new_tokens: int, repeats: int) -> dict:
                 recorder.finish(out[:, prompt.size(1) :].tolist(), SamplerRecords(topk))
         return time.perf_counter() - start
 
-    run(None)  # warm-up
+    with torch.no_grad():  # warm-up, short
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, max_new_tokens=4)
     for rep in range(repeats):
         order = list(variants.items()) if rep % 2 == 0 else list(variants.items())[::-1]
         for name, topk in order:
