@@ -17,6 +17,7 @@ from pathlib import Path
 
 from harness import SMOLLM2, run_trial
 
+
 STEPS = 3
 BATCH = dict(
     per_device_train_batch_size=8,

@@ -36,6 +36,7 @@ from types import SimpleNamespace
 
 import torch
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trl import GRPOTrainer  # noqa: E402
@@ -43,6 +44,7 @@ from trl.trainer.utils import pad  # noqa: E402
 
 from trl_dppo.records import SamplerRecords  # noqa: E402
 from trl_dppo.rollout import SamplerLogprobRecorder, record_vllm_logprobs, recording_generate  # noqa: E402
+
 
 VOCAB = 49152
 SEQ_LEN = 1000  # tokens per completion

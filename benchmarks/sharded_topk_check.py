@@ -23,6 +23,7 @@ import sys
 
 import torch
 
+
 TOLERANCE = 1e-2  # fp32 generation against the fp32 training forward; a wrong read is off by order 1
 
 

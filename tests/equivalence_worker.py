@@ -25,6 +25,7 @@ from transformers import set_seed
 from trl_dppo import DPPOConfig, DPPOTrainer
 from trl_dppo.default_model import smollm2_tokenizer
 
+
 WORLD_ROWS = 4  # rows per micro-batch, over all processes
 TOPK = 4
 DPPO_METRICS = ("trust_region/", "mismatch/", "diagnostics/", "tokens_by_mu/")

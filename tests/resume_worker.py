@@ -22,6 +22,7 @@ from tests.conftest import length_reward
 from trl_dppo import DPPOConfig, DPPOTrainer
 from trl_dppo.default_model import smollm2_tokenizer
 
+
 SAVE_STEPS = 2  # a multiple of steps_per_generation: the checkpoint falls between generation batches
 CHECKPOINT_SAVED = "checkpoint-saved"  # marker file: the process is now waiting to be killed
 

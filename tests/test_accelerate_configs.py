@@ -8,6 +8,7 @@ import pytest
 import trl
 import yaml
 
+
 REPO = Path(__file__).resolve().parents[1]
 OURS = REPO / "examples" / "accelerate_configs"
 TRLS = Path(trl.__file__).parent / "accelerate_configs"

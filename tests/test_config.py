@@ -10,6 +10,7 @@ from trl import GRPOConfig
 
 from trl_dppo import DPPOConfig
 
+
 DPPO_FIELDS = (
     "divergence",
     "delta",

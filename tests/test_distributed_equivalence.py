@@ -32,6 +32,7 @@ from trl_dppo import DPPOConfig, DPPOTrainer
 
 from .equivalence_worker import CONFIGS, TOPK, WORLD_ROWS
 
+
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, PROMPT_LENGTH, COMPLETION_LENGTH = 512, 6, 8
 MICRO_BATCHES = max(settings["steps_per_generation"] for settings in CONFIGS.values())
@@ -144,7 +145,7 @@ def test_two_processes_make_the_same_update_and_log_the_same_metrics_as_one(runs
 
     assert len(one["logs"]) == len(two["logs"]) == 2
     assert any(entry["trust_region/masked_fraction"] > 0 for entry in one["logs"]), "the mask should act"
-    for entry_one, entry_two in zip(one["logs"], two["logs"]):
+    for entry_one, entry_two in zip(one["logs"], two["logs"], strict=True):
         assert entry_one.keys() == entry_two.keys()
         for key, value in entry_one.items():
             assert entry_two[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key

@@ -21,6 +21,7 @@ import pytest
 
 from .resume_worker import CHECKPOINT_SAVED, SAVE_STEPS
 
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER = str(REPO / "tests" / "resume_worker.py")
 TIMINGS = ("step_time",)
@@ -68,7 +69,7 @@ def test_killed_run_resumed_from_its_checkpoint_logs_what_an_uninterrupted_run_l
     interrupted = logged_steps(killed_dir / "steps-stop_after_checkpoint.jsonl")
     interrupted += logged_steps(killed_dir / "steps-resume.jsonl")
     assert [entry["step"] for entry in interrupted] == [entry["step"] for entry in uninterrupted] == [1, 2, 3, 4]
-    for got, want in zip(interrupted, uninterrupted):
+    for got, want in zip(interrupted, uninterrupted, strict=True):
         assert got.keys() == want.keys()
         for key, value in want.items():
             assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (got["step"], key)

@@ -12,6 +12,7 @@ import torch
 
 from trl_dppo.records import VOID_ID, SamplerRecords, tag_logps, tagged_rows
 
+
 # float32 values that must survive tagging bit for bit, as TRL turns the floats into `sampling_per_token_logps`
 EDGE_VALUES = torch.tensor(
     [0.0, -0.0, -1e-45, -1.2e-38, -3.4e38, -1.0, -0.1234567, -17.5, float("nan"), float("-inf")], dtype=torch.float32

@@ -19,6 +19,7 @@ from trl_dppo.rollout import (
 
 from .conftest import build_tiny_model
 
+
 TEMPERATURE = 0.8
 
 

@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from trl_dppo.rollout import VOID_ID
 from trl_dppo.topk import check_topk_sharding, lm_head_kept_logps
 
+
 WORLD_SIZE = 2
 
 

@@ -15,6 +15,7 @@ from trl_dppo.trainer import MU_BUCKETS
 
 from .conftest import length_reward
 
+
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 REQUIRED_METRICS = [
     "trust_region/masked_fraction",
@@ -153,7 +154,7 @@ def test_gradient_is_mask_times_capped_ratio_times_advantage(tmp_path, tiny_mode
     mu, mask = batch["sampling_per_token_logps"], batch["completion_mask"].bool()
     per_token = dppo_per_token_loss(logps, mu, batch["advantages"][:, None], 0.15, 0.15, "tv", ratio_cap=3.0)
     ((per_token * mask).sum() / mask.sum()).backward()
-    for got, want in zip(dppo_grads, (p.grad for p in params)):
+    for got, want in zip(dppo_grads, (p.grad for p in params), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
     # the perturbation exercised both the mask and the cap
     weights = -per_token.detach()

@@ -14,6 +14,7 @@ from trl_dppo import DPPOConfig
 
 from .test_trainer import make_trainer, spy_on_trust_region
 
+
 TRUNCATION = dict(top_p=0.8, top_k=20, min_p=0.1)
 
 
@@ -48,9 +49,7 @@ def test_truncation_alone_masks_no_token(tmp_path, tiny_model_dir, prompts, toke
 def test_the_same_run_masks_tokens_when_the_divergence_uses_the_truncated_mu(
     tmp_path, tiny_model_dir, prompts, tokenizer
 ):
-    _, masked = train_at_learning_rate_zero(
-        tmp_path, tiny_model_dir, prompts, tokenizer, compare_with_sampled_mu=True
-    )
+    _, masked = train_at_learning_rate_zero(tmp_path, tiny_model_dir, prompts, tokenizer, compare_with_sampled_mu=True)
     assert max(masked) > 0.0
 
 

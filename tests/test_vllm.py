@@ -9,11 +9,13 @@ from __future__ import annotations
 import importlib
 import os
 
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weights are reloaded in place
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the tests need little
 
 import pytest
 import torch
+
 
 try:
     importlib.import_module("vllm")
@@ -24,6 +26,7 @@ except ImportError as error:
 
 from .conftest import build_tiny_model
 from .test_trainer import PolicyForwardCounter, make_trainer, spy_on_trust_region
+
 
 pytestmark = pytest.mark.vllm
 

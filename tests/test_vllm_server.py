@@ -21,6 +21,7 @@ import time
 import pytest
 import torch
 
+
 try:
     importlib.import_module("vllm")
 except ImportError as error:
@@ -34,6 +35,7 @@ from trl.scripts.vllm_serve import ScriptArguments, build_command
 
 from .test_trainer import make_trainer, spy_on_trust_region
 from .test_vllm import vllm_model_dir  # noqa: F401 (fixture)
+
 
 pytestmark = pytest.mark.vllm
 
@@ -122,7 +124,13 @@ def server_trainer(tmp_path, url, model_dir, prompts, tokenizer, **overrides):
 @pytest.mark.parametrize("vllm_server", ["processed_logprobs"], indirect=True)
 @pytest.mark.parametrize("divergence", ["binary_tv", "topk_kl"])
 def test_dppo_trains_against_a_processed_logprobs_server(
-    divergence, vllm_server, vllm_model_dir, prompts, tokenizer, tmp_path, no_nccl_weight_transfer  # noqa: F811
+    divergence,
+    vllm_server,
+    vllm_model_dir,
+    prompts,
+    tokenizer,
+    tmp_path,
+    no_nccl_weight_transfer,  # noqa: F811
 ):
     trainer = server_trainer(tmp_path, vllm_server, vllm_model_dir, prompts, tokenizer, divergence=divergence, topk=5)
     seen = spy_on_trust_region(trainer)
@@ -156,7 +164,12 @@ def test_dppo_trains_against_a_processed_logprobs_server(
 
 @pytest.mark.parametrize("vllm_server", ["raw_logprobs"], indirect=True)
 def test_a_raw_logprobs_server_is_refused_with_the_restart_command(
-    vllm_server, vllm_model_dir, prompts, tokenizer, tmp_path, no_nccl_weight_transfer  # noqa: F811
+    vllm_server,
+    vllm_model_dir,
+    prompts,
+    tokenizer,
+    tmp_path,
+    no_nccl_weight_transfer,  # noqa: F811
 ):
     with pytest.raises(ValueError, match="runs with `--logprobs-mode raw_logprobs`") as refusal:
         server_trainer(tmp_path, vllm_server, vllm_model_dir, prompts, tokenizer)

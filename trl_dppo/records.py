@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+
 __all__ = ["ROW_BITS", "VOID_ID", "SamplerRecords", "tag_logps", "tagged_rows"]
 
 # A kept-set slot with no token (the sampled token is already among the top K, or the token has no record)
@@ -132,7 +133,7 @@ class SamplerRecords:
         index = rows.clamp_min(0)
         out = {}
         if self.has_base:
-            base = _concat([s if b is None else b for s, b in zip(self._sampled, self._base)])[index]
+            base = _concat([s if b is None else b for s, b in zip(self._sampled, self._base, strict=True)])[index]
             base = torch.where(has_row, base, sampling_logps.cpu())
             out["sampler_base_logps"] = base.to(device)
             sampled_logps = base

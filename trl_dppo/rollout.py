@@ -19,8 +19,8 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper
 
 from .records import VOID_ID, SamplerRecords
+
 
 __all__ = [
     "SamplerLogprobRecorder",
@@ -166,7 +167,7 @@ class SamplerLogprobRecorder:
         else:
             values = sampled.tolist()
         ends = list(itertools.accumulate(lengths))
-        return [values[end - length : end] for end, length in zip(ends, lengths)]
+        return [values[end - length : end] for end, length in zip(ends, lengths, strict=True)]
 
 
 @contextmanager
@@ -269,7 +270,7 @@ def record_vllm_logprobs(generate: Callable, topk: int = 0, records: Callable[[]
             )
             tagged = store.add(torch.from_numpy(sampled), torch.from_numpy(top_ids), torch.from_numpy(top_logps))
             # Entry 0 of vLLM's own per-token lists (made for this call) takes the record: no new list per token
-            for entry, value in zip(itertools.chain.from_iterable(logprobs[start:end]), tagged.tolist()):
+            for entry, value in zip(itertools.chain.from_iterable(logprobs[start:end]), tagged.tolist(), strict=True):
                 entry[0] = value
             start = end
         return prompt_ids, completion_ids, logprobs, logprob_token_ids

@@ -87,7 +87,7 @@ def _without_grpo_two_sided_clip(args: DPPOConfig):
 class _MaskedTokensWriter(TrainerCallback):
     """Writes `masked_tokens.json` (the most often masked tokens per advantage sign) at each save and at the end."""
 
-    def __init__(self, trainer: "DPPOTrainer"):
+    def __init__(self, trainer: DPPOTrainer):
         self.trainer = trainer
 
     def _write(self, args, state) -> None:
@@ -481,7 +481,7 @@ class DPPOTrainer(GRPOTrainer):
         metrics["diagnostics/bad_update_fraction"].append(fraction(sums[9], sums[1]))
         metrics["diagnostics/bad_updates_blocked_by_ppo_clip"].append(fraction(sums[10], sums[9]))
         metrics["diagnostics/bad_updates_blocked_by_dppo_mask"].append(fraction(sums[11], sums[9]))
-        for label, (total, masked_count, clipped_count) in zip(MU_BUCKETS, by_bucket):
+        for label, (total, masked_count, clipped_count) in zip(MU_BUCKETS, by_bucket, strict=True):
             metrics[f"tokens_by_mu/{label}/total"].append(total)
             metrics[f"tokens_by_mu/{label}/masked"].append(masked_count)
             metrics[f"tokens_by_mu/{label}/ppo_clipped"].append(clipped_count)
