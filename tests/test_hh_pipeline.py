@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from transformers import AutoModelForSequenceClassification, set_seed
 
+from trl_dppo.default_model import default_model_path
 from trl_dppo.hh_pipeline import main as run_hh_pipeline
 from trl_dppo.hh_reward_model import load_hh_pairs, score_conversations, split_hh_pairs
 from trl_dppo.hh_rlhf import load_reward_model
@@ -68,6 +70,10 @@ def test_short_pipeline_connects_reward_model_and_dppo(tiny_model_dir: str, tmp_
     chosen = score_conversations(model, tokenizer, [p + c for p, c in zip(held_out["prompt"], held_out["chosen"])])
     rejected = score_conversations(model, tokenizer, [p + r for p, r in zip(held_out["prompt"], held_out["rejected"])])
     assert all(abs(c - r) > 1e-6 for c, r in zip(chosen, rejected))
+    # The new score head was trained too (LoRA alone would leave it at its seeded initial weights)
+    set_seed(0)
+    untrained = AutoModelForSequenceClassification.from_pretrained(default_model_path(), num_labels=1)
+    assert not torch.allclose(model.score.weight, untrained.score.weight)
 
     # DPPO ran against it, and the run's artefacts are in the one folder
     run = summary["policy"]["seeds"]["0"]
@@ -78,4 +84,3 @@ def test_short_pipeline_connects_reward_model_and_dppo(tiny_model_dir: str, tmp_
     assert (out / "seed0" / "adapter_config.json").is_file() and (out / "seed0" / "plots" / "reward.png").is_file()
     assert (out / "samples.md").read_text().count("| before (reward") == 2
     assert json.loads((out / "summary.json").read_text())["data"]["splits"]["held_out"] == 8
-

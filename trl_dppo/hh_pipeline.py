@@ -9,7 +9,7 @@ untrained backbone's) and the policy's reward on its prompts before and after DP
 ``--output_dir``:
 
 - ``reward_model/``: the merged reward model and tokenizer (``examples/hh_rlhf_lora.py --reward_model_name_or_path``
-  takes it), its training log and ``reward_summary.json``; a finished one is reused by a later run into the same folder;
+  takes it), its training log and ``reward_summary.json``; a later run into the same folder reuses a finished one;
 - ``seed<S>/``: each DPPO seed's LoRA adapter, ``log_history.json``, ``dppo_summary.json`` and ``plots/``;
 - ``samples.md``: typical held-out replies before and after DPPO, side by side;
 - ``summary.json``: the command, the data splits and every number above.
@@ -30,24 +30,24 @@ from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads stall CPUs shared with other processes
 
-import torch  # noqa: E402
-from datasets import Dataset  # noqa: E402
-from peft import LoraConfig  # noqa: E402
-from transformers import AutoModelForCausalLM, HfArgumentParser, PreTrainedModel, PreTrainedTokenizerBase  # noqa: E402
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, HfArgumentParser, PreTrainedModel, PreTrainedTokenizerBase
 
-from .config import DPPOConfig  # noqa: E402
-from .default_model import DEFAULT_MODEL, resolve_model  # noqa: E402
-from .hh_reward_model import (  # noqa: E402
+from .config import DPPOConfig
+from .default_model import DEFAULT_MODEL, resolve_model
+from .hh_reward_model import (
     HHSplits,
     load_hh_pairs,
     score_conversations,
     split_hh_pairs,
     train_hh_reward_model,
 )
-from .hh_rlhf import load_policy_tokenizer, load_reward_model  # noqa: E402
-from .plots import plot_run  # noqa: E402
-from .script_utils import write_run_outputs  # noqa: E402
-from .trainer import DPPOTrainer  # noqa: E402
+from .hh_rlhf import load_policy_tokenizer, load_reward_model
+from .plots import plot_run
+from .script_utils import write_run_outputs
+from .trainer import DPPOTrainer
 
 __all__ = [
     "HHDataArguments",
@@ -77,7 +77,9 @@ class HHDataArguments:
     num_rows: int | None = field(default=None, metadata={"help": "Read only the first N rows (e.g. of the hub)."})
     max_length: int = field(
         default=256,
-        metadata={"help": "Pairs whose chosen or rejected conversation is longer (tokens) are dropped before splitting."},
+        metadata={
+            "help": "Pairs whose chosen or rejected conversation is longer (tokens) are dropped before splitting."
+        },
     )
     split_seed: int = field(default=0, metadata={"help": "Seed of the one split into held-out/policy/reward parts."})
     held_out_pairs: int = field(default=256, metadata={"help": "Pairs neither model trains on."})
@@ -97,7 +99,9 @@ class HHRewardArguments:
     reward_learning_rate: float = field(default=3e-4, metadata={"help": "Reward model's LoRA learning rate."})
     reward_batch_size: int = field(default=8, metadata={"help": "Pairs per reward-model step."})
     reward_epochs: float = field(default=1.0, metadata={"help": "Passes over the reward model's training pairs."})
-    reward_max_steps: int = field(default=-1, metadata={"help": "Stop the reward model after this many steps (-1: no)."})
+    reward_max_steps: int = field(
+        default=-1, metadata={"help": "Stop the reward model after this many steps (-1: no)."}
+    )
     reward_lora_top_layers: int | None = field(
         default=8, metadata={"help": "LoRA on the reward backbone's last N layers only (backward stops there)."}
     )
@@ -229,7 +233,9 @@ def _train_policy(
         train_dataset=prompts,
         processing_class=tokenizer,
         reward_processing_classes=reward_tokenizer,
-        peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"),
+        peft_config=LoraConfig(
+            r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+        ),
     )
     trainer.train()
     trainer.save_model(str(out))  # the LoRA adapter
@@ -260,9 +266,11 @@ def write_samples(
     lines = [
         f"# HH-RLHF held-out replies before and after DPPO (seed {seed})",
         "",
-        f"The {count} held-out prompts (never trained on by the reward model or the policy) whose change in mean reward "
-        f"is nearest the median change ({median:+.3f}): typical, not best. Each cell is the first sampled reply "
-        "(temperature 1) and its reward-model score.",
+        (
+            f"The {count} held-out prompts (never trained on by the reward model or the policy) whose change in mean "
+            f"reward is nearest the median change ({median:+.3f}): typical, not best. Each cell is the first sampled "
+            "reply (temperature 1) and its reward-model score."
+        ),
         "",
     ]
     for n, i in enumerate(chosen, 1):
@@ -382,14 +390,23 @@ def run_pipeline(
         policy, run = _train_policy(
             args, out, seed, policy_path, tokenizer, train_prompts, reward_model, reward_tokenizer
         )
-        after = sample_replies(policy, tokenizer, eval_prompts, args.eval_samples, args.max_completion_length, eval_seed)
+        after = sample_replies(
+            policy, tokenizer, eval_prompts, args.eval_samples, args.max_completion_length, eval_seed
+        )
         after_rewards = score_replies(reward_model, reward_tokenizer, eval_prompts, after)
         run["held_out_reward_after"] = _mean([r for rs in after_rewards for r in rs])
         seeds[str(seed)] = run
         print(f"Seed {seed}: held-out reward {held_out_before:.3f} -> {run['held_out_reward_after']:.3f}", flush=True)
         if n == 0:
             run["samples_shown"] = write_samples(
-                out / "samples.md", eval_prompts, before, after, before_rewards, after_rewards, args.samples_shown, seed
+                out / "samples.md",
+                eval_prompts,
+                before,
+                after,
+                before_rewards,
+                after_rewards,
+                args.samples_shown,
+                seed,
             )
         del policy
 

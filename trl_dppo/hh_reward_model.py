@@ -32,8 +32,8 @@ from trl.data_utils import apply_chat_template
 from .hh_rlhf import _read_rows, hh_prompt_messages, load_policy_tokenizer, load_reward_model, parse_hh_dialogue
 
 __all__ = [
-    "HHSplits",
     "LORA_LINEAR_MODULES",
+    "HHSplits",
     "load_hh_pairs",
     "pairwise_accuracy",
     "score_conversations",
@@ -111,7 +111,11 @@ class HHSplits:
     held_out: Dataset
 
     def sizes(self) -> dict[str, int]:
-        return {"reward_train": len(self.reward_train), "policy_train": len(self.policy_train), "held_out": len(self.held_out)}
+        return {
+            "reward_train": len(self.reward_train),
+            "policy_train": len(self.policy_train),
+            "held_out": len(self.held_out),
+        }
 
 
 def split_hh_pairs(
@@ -150,7 +154,11 @@ def score_conversations(
     for start in range(0, len(order), batch_size):
         batch = order[start : start + batch_size]
         inputs = tokenizer(
-            [texts[i] for i in batch], return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+            [texts[i] for i in batch],
+            return_tensors="pt",
+            padding=True,
+            padding_side="right",
+            add_special_tokens=False,
         ).to(device)
         for i, score in zip(batch, model(**inputs).logits[:, 0].float().tolist()):
             scores[i] = score
@@ -161,7 +169,9 @@ def pairwise_accuracy(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: Dataset, batch_size: int = 16
 ) -> dict[str, float]:
     """Fraction of pairs whose chosen reply scores above the rejected one, and the mean score margin."""
-    chosen = score_conversations(model, tokenizer, [p + c for p, c in zip(pairs["prompt"], pairs["chosen"])], batch_size)
+    chosen = score_conversations(
+        model, tokenizer, [p + c for p, c in zip(pairs["prompt"], pairs["chosen"])], batch_size
+    )
     rejected = score_conversations(
         model, tokenizer, [p + r for p, r in zip(pairs["prompt"], pairs["rejected"])], batch_size
     )
@@ -193,7 +203,7 @@ def train_hh_reward_model(
     Args:
         backbone: Local folder or hub id of a causal LM; it becomes a one-output sequence-classification model whose
             ``score`` head is new (seeded by ``seed``) and trained in full beside the LoRA adapters.
-        train_pairs: Conversational pairs (``prompt``, ``chosen``, ``rejected``), e.g. ``split_hh_pairs(...).reward_train``.
+        train_pairs: Conversational pairs (``prompt``, ``chosen``, ``rejected``), e.g. a split's ``reward_train``.
         output_dir: Where the merged model and its tokenizer are saved.
         eval_pairs: Pairs never trained on; the summary then holds their accuracy before training (the untrained
             backbone with its seeded head) and after (the saved model, reloaded).
