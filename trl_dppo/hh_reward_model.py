@@ -264,6 +264,7 @@ def train_hh_reward_model(
     (output_dir / REWARD_TRAIN_LOG).write_text(json.dumps(trainer.state.log_history, indent=1))
     summary.update(
         steps=trainer.state.global_step,
+        epochs=round(trainer.state.epoch, 3),  # below 1 when max_steps stops the pass early
         train_loss=trainer.state.log_history[-1].get("train_loss"),
         learning_rate=learning_rate,
         max_length=max_length,
