@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, set_seed
 
 from trl_dppo.default_model import default_model_path
+from trl_dppo.hh_pipeline import HHDataArguments, HHRewardArguments, build_reward_model
 from trl_dppo.hh_pipeline import main as run_hh_pipeline
 from trl_dppo.hh_reward_model import load_hh_pairs, score_conversations, split_hh_pairs
 from trl_dppo.hh_rlhf import load_reward_model
@@ -32,6 +34,19 @@ def test_split_is_disjoint_reproducible_and_keeps_held_out_fixed() -> None:
     assert capped.policy_train["id"] == splits.policy_train["id"]
     with pytest.raises(ValueError, match="leave none"):
         split_hh_pairs(pairs, 60, 40, seed=0)
+
+
+def test_a_reward_model_made_on_another_split_is_not_reused(tmp_path: Path) -> None:
+    folder = tmp_path / "reward_model"
+    folder.mkdir()
+    made_with = {**asdict(HHDataArguments(split_seed=1)), **asdict(HHRewardArguments())}
+    del made_with["output_dir"]
+    (folder / "reward_summary.json").write_text(json.dumps({"made_with": made_with}))
+    assert build_reward_model(HHDataArguments(output_dir=str(tmp_path), split_seed=1), HHRewardArguments()) == {
+        "made_with": made_with
+    }
+    with pytest.raises(ValueError, match="held-out pairs may not be this run's"):
+        build_reward_model(HHDataArguments(output_dir=str(tmp_path), split_seed=0), HHRewardArguments())
 
 
 @needs_data

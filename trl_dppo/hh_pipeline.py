@@ -329,9 +329,19 @@ def build_reward_model(data_args: HHDataArguments, reward_args: HHRewardArgument
     """
     folder = Path(data_args.output_dir) / "reward_model"
     done = folder / REWARD_SUMMARY
+    # What the reward model and its held-out accuracy depend on: a reused one must match, or its split would leak
+    made_with = {**asdict(data_args), **asdict(reward_args)}
+    del made_with["output_dir"]
     if done.is_file():
+        summary = json.loads(done.read_text())
+        if summary.get("made_with") != made_with:
+            raise ValueError(
+                f"The reward model in {folder} was made with other data or reward arguments "
+                f"({summary.get('made_with')}), so its held-out pairs may not be this run's. Pass the same arguments, "
+                "or delete the folder (or choose another --output_dir) to train a new one."
+            )
         print(f"Reusing the reward model in {folder} (delete the folder to retrain it).", flush=True)
-        return json.loads(done.read_text())
+        return summary
     backbone = resolve_model(reward_args.reward_backbone)
     if data is None:
         data = load_hh_data(data_args, load_policy_tokenizer(backbone))
@@ -348,7 +358,7 @@ def build_reward_model(data_args: HHDataArguments, reward_args: HHRewardArgument
         max_steps=reward_args.reward_max_steps,
         lora_top_layers=reward_args.reward_lora_top_layers,
     )
-    summary["backbone"] = reward_args.reward_backbone
+    summary.update(backbone=reward_args.reward_backbone, made_with=made_with)
     done.write_text(json.dumps(summary, indent=2))
     print(f"Reward model ({folder}): {json.dumps(summary)}", flush=True)
     return summary
