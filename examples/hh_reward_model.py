@@ -14,10 +14,7 @@ The split is the pipeline's, so `python -m trl_dppo.hh_pipeline` with the same -
 this reward model and trains DPPO on prompts it never saw (all arguments: --help).
 """
 
-from transformers import HfArgumentParser
-
-from trl_dppo.hh_pipeline import HHDataArguments, HHRewardArguments, build_reward_model
+from trl_dppo.hh_pipeline import reward_model_main
 
 if __name__ == "__main__":
-    data_args, reward_args = HfArgumentParser((HHDataArguments, HHRewardArguments)).parse_args_into_dataclasses()
-    build_reward_model(data_args, reward_args)
+    reward_model_main()

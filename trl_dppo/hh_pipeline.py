@@ -55,6 +55,7 @@ __all__ = [
     "HHRewardArguments",
     "build_reward_model",
     "main",
+    "reward_model_main",
     "run_pipeline",
 ]
 
@@ -459,6 +460,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     data_args, reward_args, policy_args = make_parser().parse_args_into_dataclasses(args=argv)
     command = shlex.join(["python", "-m", "trl_dppo.hh_pipeline", *argv])
     return run_pipeline(data_args, reward_args, policy_args, command=command)
+
+
+def reward_model_main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Step 1 alone (``examples/hh_reward_model.py``): the data and reward-model arguments of `main`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    data_args, reward_args = HfArgumentParser((HHDataArguments, HHRewardArguments)).parse_args_into_dataclasses(argv)
+    return build_reward_model(data_args, reward_args)
 
 
 if __name__ == "__main__":
