@@ -30,8 +30,16 @@ def test_help_lists_the_shipped_jobs(capsys):
         main(["--help"])
     assert done.value.code == 0
     out = capsys.readouterr().out
-    assert set(COMMANDS) == {"math", "hh-rlhf", "plot"}
+    assert set(COMMANDS) == {"math", "hh-rlhf", "hh", "hh-reward-model", "plot"}
     assert all(re.search(rf"^\s+{name}\s+\S", out, re.M) for name in COMMANDS)
+
+
+@pytest.mark.parametrize("command", ["hh", "hh-reward-model"])
+def test_the_hh_pipeline_commands_answer_help(capsys, command):
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    assert "--data_path" in capsys.readouterr().out
 
 
 def test_a_jobs_help_lists_trl_flags(capsys):
