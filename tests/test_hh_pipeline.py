@@ -82,9 +82,13 @@ def test_short_pipeline_connects_reward_model_and_dppo(tiny_model_dir: str, tmp_
     model, tokenizer = load_reward_model(str(out / "reward_model"), dtype=torch.float32)
     pairs, _ = load_hh_pairs(tokenizer, max_length=160, data_path=str(DATA), num_rows=120)
     held_out = split_hh_pairs(pairs, held_out=8, policy_train=16, seed=0).held_out
-    chosen = score_conversations(model, tokenizer, [p + c for p, c in zip(held_out["prompt"], held_out["chosen"])])
-    rejected = score_conversations(model, tokenizer, [p + r for p, r in zip(held_out["prompt"], held_out["rejected"])])
-    assert all(abs(c - r) > 1e-6 for c, r in zip(chosen, rejected))
+    chosen = score_conversations(
+        model, tokenizer, [p + c for p, c in zip(held_out["prompt"], held_out["chosen"], strict=True)]
+    )
+    rejected = score_conversations(
+        model, tokenizer, [p + r for p, r in zip(held_out["prompt"], held_out["rejected"], strict=True)]
+    )
+    assert all(abs(c - r) > 1e-6 for c, r in zip(chosen, rejected, strict=True))
     # The new score head was trained too (LoRA alone would leave it at its seeded initial weights)
     set_seed(0)
     untrained = AutoModelForSequenceClassification.from_pretrained(default_model_path(), num_labels=1)

@@ -183,7 +183,9 @@ def score_replies(
     replies: Sequence[Sequence[str]],
 ) -> list[list[float]]:
     """The reward model's score of every reply, per prompt."""
-    conversations = [p + [{"role": "assistant", "content": r}] for p, rs in zip(prompts, replies) for r in rs]
+    conversations = [
+        p + [{"role": "assistant", "content": r}] for p, rs in zip(prompts, replies, strict=True) for r in rs
+    ]
     flat = score_conversations(reward_model, reward_tokenizer, conversations)
     per_prompt, i = [], 0
     for rs in replies:
@@ -265,7 +267,7 @@ def write_samples(
     seed: int,
 ) -> list[int]:
     """Write the ``count`` prompts whose reward change is nearest the median change; return their indices."""
-    changes = [_mean(a) - _mean(b) for a, b in zip(after_rewards, before_rewards)]
+    changes = [_mean(a) - _mean(b) for a, b in zip(after_rewards, before_rewards, strict=True)]
     median = statistics.median(changes)
     chosen = sorted(range(len(prompts)), key=lambda i: abs(changes[i] - median))[:count]
     lines = [

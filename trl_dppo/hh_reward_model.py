@@ -92,7 +92,7 @@ def load_hh_pairs(
     if num_rows is not None:
         rows = rows.select(range(min(num_rows, len(rows))))
     pairs = []
-    for chosen, rejected in zip(rows["chosen"], rows["rejected"]):
+    for chosen, rejected in zip(rows["chosen"], rows["rejected"], strict=True):
         pair = _pair(chosen, rejected)
         if pair is not None and all(
             _num_tokens(tokenizer, pair["prompt"] + pair[side]) <= max_length for side in ("chosen", "rejected")
@@ -161,7 +161,7 @@ def score_conversations(
             padding_side="right",
             add_special_tokens=False,
         ).to(device)
-        for i, score in zip(batch, model(**inputs).logits[:, 0].float().tolist()):
+        for i, score in zip(batch, model(**inputs).logits[:, 0].float().tolist(), strict=True):
             scores[i] = score
     return scores
 
@@ -171,12 +171,12 @@ def pairwise_accuracy(
 ) -> dict[str, float]:
     """Fraction of pairs whose chosen reply scores above the rejected one, and the mean score margin."""
     chosen = score_conversations(
-        model, tokenizer, [p + c for p, c in zip(pairs["prompt"], pairs["chosen"])], batch_size
+        model, tokenizer, [p + c for p, c in zip(pairs["prompt"], pairs["chosen"], strict=True)], batch_size
     )
     rejected = score_conversations(
-        model, tokenizer, [p + r for p, r in zip(pairs["prompt"], pairs["rejected"])], batch_size
+        model, tokenizer, [p + r for p, r in zip(pairs["prompt"], pairs["rejected"], strict=True)], batch_size
     )
-    margins = [c - r for c, r in zip(chosen, rejected)]
+    margins = [c - r for c, r in zip(chosen, rejected, strict=True)]
     return {
         "accuracy": sum(m > 0 for m in margins) / len(margins),
         "mean_margin": sum(margins) / len(margins),
