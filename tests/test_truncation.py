@@ -62,8 +62,9 @@ def test_the_same_run_masks_tokens_when_the_divergence_uses_the_truncated_mu(
         ("repetition_penalty", 1.1),
         ("generation_kwargs", {"presence_penalty": 0.5}),
         ("generation_kwargs", {"temperature": 0.5}),
+        ("generation_kwargs", {"min_tokens": 32}),  # vLLM's processed log-probs are taken with EOS suppressed
     ],
-    ids=["top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "kwargs_temperature"],
+    ids=["top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "kwargs_temperature", "min_tokens"],
 )
 def test_vllm_refuses_truncated_or_penalised_sampling_unless_opted_in(tmp_path, option, value):
     settings = dict(output_dir=str(tmp_path), bf16=False, use_vllm=True, temperature=1.0, **{option: value})
