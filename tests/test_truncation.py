@@ -100,7 +100,7 @@ def test_opted_in_vllm_truncation_logs_the_spurious_divergence_on_the_first_step
 
     stub = SimpleNamespace(
         state=SimpleNamespace(global_step=3),
-        _last_loaded_step=3,
+        _generated_at_step=3,
         args=SimpleNamespace(delta_low=0.15),
         accelerator=SimpleNamespace(reduce=lambda t, reduction: t),
         model=SimpleNamespace(training=True),

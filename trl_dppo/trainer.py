@@ -407,13 +407,13 @@ class DPPOTrainer(GRPOTrainer):
         On the first optimizer step after a generation the trainer's weights are the sampler's, so mu/pi - 1 estimates
         (1 - Z)/Z, Z being the mass the truncation kept, and mu - pi the spurious binary TV, compared with delta.
         """
-        if self.state.global_step != self._last_loaded_step:
+        if not (self.model.training and self.state.global_step == self._generated_at_step):
             return
         mu, pi = sampler_logps.exp(), trainer_logps.exp()
         over = (mu - pi > self.args.delta_low) & mask
         sums = torch.stack([((mu / pi - 1) * mask).sum(), over.sum(), mask.sum()]).float()
         gap, over, tokens = self.accelerator.reduce(sums, reduction="sum").tolist()
-        metrics = self._metrics["train" if self.model.training else "eval"]
+        metrics = self._metrics["train"]
         metrics["truncation/kept_mass_gap"].append(gap / max(tokens, 1.0))
         metrics["truncation/spurious_tv_over_delta_fraction"].append(over / max(tokens, 1.0))
 
