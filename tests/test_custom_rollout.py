@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig
 
-from trl_dppo import DPPOConfig, DPPOTrainer
-
-from .conftest import length_reward
-from .test_trainer import LORA, spy_on_trust_region
+from .test_trainer import make_trainer, spy_on_trust_region
 
 
 class SamplingRollout:
@@ -52,29 +48,10 @@ class SamplingRollout:
 
 
 def rollout_trainer(tmp_path, model_dir, prompts, tokenizer, rollout_func, **overrides):
-    settings = dict(
-        output_dir=str(tmp_path / "out"),
-        report_to="none",
-        bf16=False,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=10,
-        max_steps=2,
-        logging_steps=1,
-        learning_rate=0.0,
-        save_strategy="no",
-        seed=0,
-    )
+    """`test_trainer.make_trainer` at learning rate 0, with the rollout_func."""
+    settings = dict(learning_rate=0.0, trainer_kwargs={"rollout_func": rollout_func})
     settings.update(overrides)
-    return DPPOTrainer(
-        model=model_dir,
-        reward_funcs=length_reward,
-        args=DPPOConfig(**settings),
-        train_dataset=prompts,
-        processing_class=tokenizer,
-        peft_config=LoraConfig(**LORA),
-        rollout_func=rollout_func,
-    )
+    return make_trainer(tmp_path, model_dir, prompts, tokenizer, **settings)
 
 
 def test_rollout_func_logprobs_reach_the_binary_trust_region_unchanged(tmp_path, tiny_model_dir, prompts, tokenizer):

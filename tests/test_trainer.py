@@ -27,7 +27,16 @@ REQUIRED_METRICS = [
 ]
 
 
-def make_trainer(tmp_path, model_dir, prompts, tokenizer, trainer_cls=DPPOTrainer, config_cls=DPPOConfig, **overrides):
+def make_trainer(
+    tmp_path,
+    model_dir,
+    prompts,
+    tokenizer,
+    trainer_cls=DPPOTrainer,
+    config_cls=DPPOConfig,
+    trainer_kwargs=None,
+    **overrides,
+):
     settings = dict(
         output_dir=str(tmp_path / "out"),
         report_to="none",
@@ -49,6 +58,7 @@ def make_trainer(tmp_path, model_dir, prompts, tokenizer, trainer_cls=DPPOTraine
         train_dataset=prompts,
         processing_class=tokenizer,
         peft_config=LoraConfig(**LORA),
+        **(trainer_kwargs or {}),
     )
 
 
