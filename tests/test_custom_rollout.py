@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .test_trainer import make_trainer, spy_on_trust_region
+from .conftest import make_trainer, spy_on_trust_region
 
 
 class SamplingRollout:

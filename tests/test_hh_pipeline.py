@@ -17,7 +17,7 @@ from trl_dppo.hh_pipeline import main as run_hh_pipeline
 from trl_dppo.hh_reward_model import load_hh_pairs, score_conversations, split_hh_pairs
 from trl_dppo.hh_rlhf import load_reward_model
 
-from .test_hh_rlhf import DATA, needs_data
+from .conftest import DATA, needs_data
 
 
 def test_split_is_disjoint_reproducible_and_keeps_held_out_fixed() -> None:

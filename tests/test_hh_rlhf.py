@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import re
 import shlex
 from pathlib import Path
@@ -21,13 +20,7 @@ from trl_dppo.hh_rlhf import (
     parse_hh_dialogue,
 )
 
-
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared/data/hh-rlhf/harmless-base-test.jsonl.gz"
-# CI lays shared/ beside the clone, so there a missing sample fails the smoke test instead of skipping it
-needs_data = pytest.mark.skipif(
-    not DATA.is_file() and not os.environ.get("CI"), reason=f"HH-RLHF sample not found at {DATA}"
-)
+from .conftest import DATA, needs_data
 
 
 def _load_script():

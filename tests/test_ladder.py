@@ -11,7 +11,7 @@ import torch
 from trl_dppo.divergence import binary_divergence
 from trl_dppo.losses import TRUST_REGIONS, drpo_gradient_weights, loss_from_weights, trust_region_weights
 
-from .test_trainer import PolicyForwardCounter, make_trainer
+from .conftest import PolicyForwardCounter, make_trainer
 
 
 def grad_of(method, pi, mu, advantage, delta=0.15, ratio_cap=3.0, anchor=None, eps=(0.2, 0.28)):

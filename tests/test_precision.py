@@ -3,7 +3,7 @@ generation, when the weights that sampled are the weights that train."""
 
 from __future__ import annotations
 
-from .test_trainer import make_trainer
+from .conftest import make_trainer
 
 
 AT_SYNC = ["mismatch/at_sync_abs_prob_diff_mean", "mismatch/at_sync_abs_prob_diff_max", "mismatch/at_sync_kl_mean"]

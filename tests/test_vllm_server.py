@@ -33,7 +33,7 @@ import requests
 from trl.generation.vllm_client import VLLMClient
 from trl.scripts.vllm_serve import ScriptArguments, build_command
 
-from .test_trainer import make_trainer, spy_on_trust_region
+from .conftest import make_trainer, spy_on_trust_region
 
 
 pytestmark = pytest.mark.vllm
