@@ -8,6 +8,8 @@ the LM head (`lm_head_kept_logps`) runs on a model sharded the way FSDP2 shards 
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -79,9 +81,12 @@ def _kept_logps_under_fsdp2(rank: int, init_file: str, topks: tuple[int, ...], t
         dist.destroy_process_group()
 
 
-def test_kept_logps_read_from_an_fsdp2_sharded_head_equal_the_full_log_softmax(tmp_path):
+def test_kept_logps_read_from_an_fsdp2_sharded_head_equal_the_full_log_softmax(tmp_path, monkeypatch):
     """Each process holds half the vocabulary rows of the LM head (a DTensor); its kept-set log-probabilities, read
     outside the head's forward pass, still equal log_softmax of the full logits at the kept ids (K = 1 and 8)."""
+    # The spawned processes import this module by name; the repository goes last on their path, so that a run
+    # against the installed wheel (--import-mode=importlib) still imports trl_dppo from the wheel
+    monkeypatch.setattr(sys, "path", [*sys.path, str(Path(__file__).resolve().parents[1])])
     mp.spawn(_kept_logps_under_fsdp2, args=(str(tmp_path / "init"), (1, 8), 0.7), nprocs=WORLD_SIZE, join=True)
 
 
