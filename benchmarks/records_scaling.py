@@ -134,17 +134,22 @@ def fresh_vllm_lists(data, topk):
     return ((output[0], output[1], [[list(t) for t in seq] for seq in output[2]], output[3]), completions)
 
 
-def dppo_vllm(data, topk):
-    output, completions = data
-    records = SamplerRecords(topk=topk)
-    stub = stub_trainer(record_vllm_logprobs(lambda **kwargs: output, topk, lambda: records))
-    completion_ids, logprobs = GRPOTrainer._generate_single_turn(stub, output[0], None, {}, 1)
+def to_batch(records, logprobs, completions):
+    """DPPO's side of the path after the backend: TRL's padding, then the batch tensors from the store."""
     sampling = trl_padding(logprobs)
     if records.needed:
         records.rollout_logprobs = logprobs
     store = [*records._kept_ids, *records._kept_logps, *records._sampled, *records._base]
     batch = records.batch_tensors(completions, sampling)
     return [sampling, *batch.values()], store
+
+
+def dppo_vllm(data, topk):
+    output, completions = data
+    records = SamplerRecords(topk=topk)
+    stub = stub_trainer(record_vllm_logprobs(lambda **kwargs: output, topk, lambda: records))
+    completion_ids, logprobs = GRPOTrainer._generate_single_turn(stub, output[0], None, {}, 1)
+    return to_batch(records, logprobs, completions)
 
 
 def trl_transformers(data, topk):
@@ -159,12 +164,7 @@ def dppo_transformers(data, topk):
     recorder._steps = {key: list(value) for key, value in steps.items()}
     records = SamplerRecords(topk=topk)
     logprobs = recorder.finish(completion_ids, records)
-    sampling = trl_padding(logprobs)
-    if records.needed:
-        records.rollout_logprobs = logprobs
-    store = [*records._kept_ids, *records._kept_logps, *records._sampled, *records._base]
-    batch = records.batch_tensors(completions, sampling)
-    return [sampling, *batch.values()], store
+    return to_batch(records, logprobs, completions)
 
 
 def measure(path, prepare, data, topk):
