@@ -1,4 +1,4 @@
-"""Tests for `trl_dppo.plots` on a synthetic log history."""
+"""Tests for `trl_dppo.jobs.plots` on a synthetic log history."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trl_dppo.plots import MU_BUCKETS, PLOTS, bucket_means, load_log_history, plot_run
+from trl_dppo.jobs.plots import MU_BUCKETS, PLOTS, bucket_means, load_log_history, plot_run
 
 
 PNG_NAMES = sorted(PLOTS)
@@ -97,7 +97,7 @@ def test_reads_the_latest_checkpoint_trainer_state(tmp_path: Path) -> None:
 def test_cli(tmp_path: Path) -> None:
     (tmp_path / "log_history.json").write_text(json.dumps(synthetic_log_history()))
     result = subprocess.run(
-        [sys.executable, "-m", "trl_dppo.plots", str(tmp_path)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "trl_dppo.jobs.plots", str(tmp_path)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
     _assert_pngs(tmp_path / "plots", PNG_NAMES)

@@ -1,6 +1,6 @@
 """Plots of a DPPO run from its log history.
 
-    python -m trl_dppo.plots OUTPUT_DIR [--out PLOT_DIR]
+    python -m trl_dppo.jobs.plots OUTPUT_DIR [--out PLOT_DIR]
 
 reads ``OUTPUT_DIR/log_history.json`` (written by the example scripts) or a Trainer's ``trainer_state.json`` (in
 OUTPUT_DIR, or in its latest ``checkpoint-*``; a path to either file works too) and writes into ``OUTPUT_DIR/plots/``:
@@ -29,7 +29,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .trainer import MU_BUCKETS  # noqa: E402  (labels of the `tokens_by_mu/<label>/...` metrics)
+from ..trainer import MU_BUCKETS  # noqa: E402  (labels of the `tokens_by_mu/<label>/...` metrics)
 
 
 __all__ = ["MU_BUCKETS", "bucket_means", "load_log_history", "main", "moving_average", "plot_run", "series"]
@@ -251,7 +251,7 @@ def plot_run(source: str | Path | LogHistory, out_dir: str | Path | None = None)
 
 
 def main(argv: Sequence[str] | None = None) -> list[Path]:
-    parser = argparse.ArgumentParser(prog="python -m trl_dppo.plots", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trl_dppo.jobs.plots", description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="output_dir of a run, a checkpoint folder, log_history.json or trainer_state.json")
     parser.add_argument("--out", default=None, help="folder for the PNGs (default: RUN/plots)")
     args = parser.parse_args(argv)
