@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from trl_dppo.plots import moving_average, series
+from trl_dppo.jobs.plots import moving_average, series
 
 
 KEPT_METRICS = (

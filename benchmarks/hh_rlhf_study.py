@@ -1,9 +1,9 @@
 """The HH-RLHF study on CPU: a reward model from HH preference pairs, then DPPO with LoRA against it, two seeds.
 
     python benchmarks/hh_rlhf_study.py                      # the shared sample, offline; extra arguments go to
-                                                            # trl_dppo.hh_pipeline (e.g. --seeds 0 1 2)
+                                                            # trl_dppo.jobs.hh_pipeline (e.g. --seeds 0 1 2)
 
-runs `trl_dppo.hh_pipeline` on ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz into runs/hh-rlhf-study (reward
+runs `trl_dppo.jobs.hh_pipeline` on ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz into runs/hh-rlhf-study (reward
 model and LoRA adapters there, not committed) and copies the small results into benchmarks/results/hh_rlhf/:
 summary.json, samples.md, the reward model's reward_summary.json, and each seed's dppo_summary.json and plots.
 """
@@ -15,7 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from trl_dppo.hh_pipeline import main
+from trl_dppo.jobs.hh_pipeline import main
 
 
 # Relative to the project's root, so the command recorded in summary.json is the one to type there

@@ -239,7 +239,7 @@ def scaling(sizes: list[int], repeats: int) -> list[dict]:
 def generation_overhead(batch: int, new_tokens: int, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from trl_dppo.default_model import default_model_path
+    from trl_dppo.jobs.default_model import default_model_path
 
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

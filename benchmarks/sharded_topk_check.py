@@ -30,7 +30,7 @@ TOLERANCE = 1e-2  # fp32 generation against the fp32 training forward; a wrong r
 def prepare(model_dir: str, model: str = "SmolLM2-135M-Instruct") -> None:
     from transformers import AutoModelForCausalLM
 
-    from trl_dppo.default_model import resolve_model, smollm2_tokenizer
+    from trl_dppo.jobs.default_model import resolve_model, smollm2_tokenizer
 
     source = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=torch.float32)
     source.config.tie_word_embeddings = False
@@ -55,7 +55,7 @@ def weight_form(weight: torch.Tensor) -> str:
 def check(model_dir: str, out_json: str) -> None:
     import trl_dppo.trainer as trainer_module
     from trl_dppo import DPPOConfig, DPPOTrainer
-    from trl_dppo.arithmetic import arithmetic_dataset, exact_answer_reward
+    from trl_dppo.jobs.arithmetic import arithmetic_dataset, exact_answer_reward
 
     args = DPPOConfig(
         output_dir="/tmp/sharded-topk-check",

@@ -34,7 +34,7 @@ from pathlib import Path
 from curves import fmt, load_runs, mean_of, moving_average, plot_metric, save_run, series
 from harness import ROOT, TRIAL_ENV
 
-from trl_dppo.plots import load_log_history
+from trl_dppo.jobs.plots import load_log_history
 
 
 RESULTS = ROOT / "benchmarks" / "results"

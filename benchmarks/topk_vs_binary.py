@@ -33,7 +33,7 @@ def tiny_model(path: Path) -> str:
     sys.path.insert(0, str(ROOT))
     from tests.conftest import build_tiny_model
 
-    from trl_dppo.default_model import smollm2_tokenizer
+    from trl_dppo.jobs.default_model import smollm2_tokenizer
 
     tokenizer = smollm2_tokenizer()
     build_tiny_model(tokenizer, hidden_size=64).save_pretrained(path)

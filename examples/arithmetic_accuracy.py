@@ -20,8 +20,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see dppo_math_lora.py
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from trl_dppo.arithmetic import arithmetic_dataset, exact_answer_reward  # noqa: E402
-from trl_dppo.default_model import DEFAULT_MODEL, resolve_model  # noqa: E402
+from trl_dppo.jobs.arithmetic import arithmetic_dataset, exact_answer_reward  # noqa: E402
+from trl_dppo.jobs.default_model import DEFAULT_MODEL, resolve_model  # noqa: E402
 
 
 def load(name_or_path: str) -> tuple[torch.nn.Module, object]:

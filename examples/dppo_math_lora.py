@@ -1,6 +1,6 @@
 """The main job: DPPO with LoRA on verifiable arithmetic (`trl-dppo math`, same arguments).
 
-The job lives in `trl_dppo/scripts/dppo_math_lora.py` (its docstring is the manual); this file keeps
+The job lives in `trl_dppo/jobs/dppo_math_lora.py` (its docstring is the manual); this file keeps
 `python examples/dppo_math_lora.py ...` and `accelerate launch examples/dppo_math_lora.py ...` working.
 """
 
@@ -11,7 +11,7 @@ import os
 # cores; passive waiting costs nothing when the machine is idle. Read when torch loads, so set before importing it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from trl_dppo.scripts.dppo_math_lora import cli  # noqa: E402
+from trl_dppo.jobs.dppo_math_lora import cli  # noqa: E402
 
 
 if __name__ == "__main__":

@@ -10,11 +10,11 @@ the untrained backbone's (reward_summary.json). It is an ordinary reward model:
     python examples/hh_rlhf_lora.py --reward_model_name_or_path runs/hh/reward_model \
         --data_path ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz
 
-The split is the pipeline's, so `python -m trl_dppo.hh_pipeline` with the same --output_dir and data arguments reuses
-this reward model and trains DPPO on prompts it never saw (all arguments: --help).
+The split is the pipeline's, so `python -m trl_dppo.jobs.hh_pipeline` with the same --output_dir and data arguments
+reuses this reward model and trains DPPO on prompts it never saw (all arguments: --help).
 """
 
-from trl_dppo.hh_pipeline import reward_model_main
+from trl_dppo.jobs.hh_pipeline import reward_model_main
 
 
 if __name__ == "__main__":

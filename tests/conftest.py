@@ -18,7 +18,7 @@ from peft import LoraConfig
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 from trl_dppo import DPPOConfig, DPPOTrainer
-from trl_dppo.default_model import smollm2_tokenizer
+from trl_dppo.jobs.default_model import smollm2_tokenizer
 
 
 @pytest.fixture(scope="session")

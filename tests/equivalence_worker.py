@@ -23,7 +23,7 @@ from peft import LoraConfig
 from transformers import set_seed
 
 from trl_dppo import DPPOConfig, DPPOTrainer
-from trl_dppo.default_model import smollm2_tokenizer
+from trl_dppo.jobs.default_model import smollm2_tokenizer
 
 
 WORLD_ROWS = 4  # rows per micro-batch, over all processes

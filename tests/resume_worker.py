@@ -20,7 +20,7 @@ from transformers import TrainerCallback
 
 from tests.conftest import length_reward
 from trl_dppo import DPPOConfig, DPPOTrainer
-from trl_dppo.default_model import smollm2_tokenizer
+from trl_dppo.jobs.default_model import smollm2_tokenizer
 
 
 SAVE_STEPS = 2  # a multiple of steps_per_generation: the checkpoint falls between generation batches

@@ -12,17 +12,17 @@ import huggingface_hub
 import pytest
 import torch
 
-from trl_dppo.cli import COMMANDS, main
-from trl_dppo.default_model import DEFAULT_MODEL
-from trl_dppo.script_utils import parse_with_defaults, resolve_offline_default
-from trl_dppo.scripts import dppo_math_lora, hh_rlhf_lora
+from trl_dppo.jobs import dppo_math_lora, hh_rlhf_lora
+from trl_dppo.jobs.cli import COMMANDS, main
+from trl_dppo.jobs.default_model import DEFAULT_MODEL
+from trl_dppo.jobs.script_utils import parse_with_defaults, resolve_offline_default
 
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_console_script_is_declared():
-    assert 'trl-dppo = "trl_dppo.cli:main"' in (REPO / "pyproject.toml").read_text()
+    assert 'trl-dppo = "trl_dppo.jobs.cli:main"' in (REPO / "pyproject.toml").read_text()
 
 
 def test_help_lists_the_shipped_jobs(capsys):

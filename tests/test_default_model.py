@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from trl_dppo import default_model
-from trl_dppo.default_model import (
+from trl_dppo.jobs import default_model
+from trl_dppo.jobs.default_model import (
     DEFAULT_MODEL,
     default_model_path,
     resolve_model,

@@ -11,11 +11,11 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, set_seed
 
-from trl_dppo.default_model import default_model_path
-from trl_dppo.hh_pipeline import HHDataArguments, HHRewardArguments, build_reward_model
-from trl_dppo.hh_pipeline import main as run_hh_pipeline
-from trl_dppo.hh_reward_model import load_hh_pairs, score_conversations, split_hh_pairs
-from trl_dppo.hh_rlhf import load_reward_model
+from trl_dppo.jobs.default_model import default_model_path
+from trl_dppo.jobs.hh_pipeline import HHDataArguments, HHRewardArguments, build_reward_model
+from trl_dppo.jobs.hh_pipeline import main as run_hh_pipeline
+from trl_dppo.jobs.hh_reward_model import load_hh_pairs, score_conversations, split_hh_pairs
+from trl_dppo.jobs.hh_rlhf import load_reward_model
 
 from .conftest import DATA, needs_data
 

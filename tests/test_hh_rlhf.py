@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, LlamaForSequenceClassification
 
-from trl_dppo.hh_rlhf import (
+from trl_dppo.jobs.hh_rlhf import (
     HH_PLAIN_TEMPLATE,
     hh_prompt_messages,
     load_hh_prompts,
@@ -24,7 +24,7 @@ from .conftest import DATA, needs_data
 
 
 def _load_script():
-    return importlib.import_module("trl_dppo.scripts.hh_rlhf_lora")
+    return importlib.import_module("trl_dppo.jobs.hh_rlhf_lora")
 
 
 def test_parse_hh_dialogue() -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from trl_dppo.arithmetic import arithmetic_dataset, exact_answer_reward, extract_final_number
-from trl_dppo.script_utils import summarize_log_history
+from trl_dppo.jobs.arithmetic import arithmetic_dataset, exact_answer_reward, extract_final_number
+from trl_dppo.jobs.script_utils import summarize_log_history
 
 
 REPO = Path(__file__).resolve().parents[1]

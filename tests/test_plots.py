@@ -1,4 +1,4 @@
-"""Tests for `trl_dppo.plots` on a synthetic log history."""
+"""Tests for `trl_dppo.jobs.plots` on a synthetic log history."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from trl_dppo.plots import MU_BUCKETS, PLOTS, bucket_means, load_log_history, plot_run
+from trl_dppo.jobs.plots import PLOTS, bucket_means, load_log_history, mu_buckets, plot_run
 
 
 PNG_NAMES = sorted(PLOTS)
+# DPPOTrainer's sampler-probability buckets, lowest first
+BUCKETS = ("<0.001", "0.001-0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9", ">=0.9")
 
 
 def synthetic_log_history(steps: int = 30, buckets: bool = True, seed: int = 0) -> list[dict]:
@@ -39,7 +41,7 @@ def synthetic_log_history(steps: int = 30, buckets: bool = True, seed: int = 0) 
             "mismatch/missing_sampler_logps": 0.0,
         }
         if buckets:
-            for i, label in enumerate(MU_BUCKETS):
+            for i, label in reversed(list(enumerate(BUCKETS))):  # logged in any order
                 total = [3.0, 6.0, 15.0, 30.0, 40.0, 160.0][i]
                 entry[f"tokens_by_mu/{label}/total"] = total
                 entry[f"tokens_by_mu/{label}/masked"] = [0.0, 0.0, 0.0, 1.0, 2.0, 0.5][i]
@@ -74,7 +76,7 @@ def test_bucket_means_average_over_steps() -> None:
     history = synthetic_log_history(steps=4)
     history[0]["tokens_by_mu/>=0.9/total"] = 0.0  # one step without high-probability tokens
     means = bucket_means(history)
-    assert means is not None and list(means) == list(MU_BUCKETS)
+    assert means is not None and list(means) == list(BUCKETS)
     assert math.isclose(means[">=0.9"]["total"], 120.0)
     assert bucket_means(synthetic_log_history(buckets=False)) is None
 
@@ -97,14 +99,18 @@ def test_reads_the_latest_checkpoint_trainer_state(tmp_path: Path) -> None:
 def test_cli(tmp_path: Path) -> None:
     (tmp_path / "log_history.json").write_text(json.dumps(synthetic_log_history()))
     result = subprocess.run(
-        [sys.executable, "-m", "trl_dppo.plots", str(tmp_path)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "trl_dppo.jobs.plots", str(tmp_path)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
     _assert_pngs(tmp_path / "plots", PNG_NAMES)
     assert "reward.png" in result.stdout
 
 
-def test_bucket_labels_match_the_trainer() -> None:
-    from trl_dppo.trainer import MU_BUCKETS as TRAINER_BUCKETS
+def test_buckets_come_from_the_log_in_the_trainers_order() -> None:
+    """The plots read the bucket labels off the log's keys (importing no trainer) and order them by lower bound."""
+    from trl_dppo.trainer import MU_BUCKETS
 
-    assert MU_BUCKETS == TRAINER_BUCKETS
+    assert mu_buckets([{f"tokens_by_mu/{label}/total": 1.0 for label in sorted(MU_BUCKETS)}]) == list(MU_BUCKETS)
+    assert BUCKETS == MU_BUCKETS
+    with pytest.raises(ValueError, match="not of the form"):
+        mu_buckets([{"tokens_by_mu/high/total": 1.0}])

@@ -1,9 +1,10 @@
 """HH-RLHF end to end on one machine: a reward model trained on preference pairs, then DPPO with LoRA against it.
 
-    python -m trl_dppo.hh_pipeline --data_path ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz --output_dir runs/hh
+    python -m trl_dppo.jobs.hh_pipeline --data_path ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz \
+        --output_dir runs/hh
 
 (or ``--dataset_name Anthropic/hh-rlhf --num_rows N`` for hub data). The pairs are split once by ``--split_seed`` into
-three disjoint parts (see `trl_dppo.hh_reward_model.split_hh_pairs`): the reward model trains on one, DPPO on the
+three disjoint parts (see `trl_dppo.jobs.hh_reward_model.split_hh_pairs`): the reward model trains on one, DPPO on the
 prompts of another, and the held-out part is used only to measure: the reward model's pairwise accuracy (against the
 untrained backbone's) and the policy's reward on its prompts before and after DPPO. Everything lands in
 ``--output_dir``:
@@ -36,7 +37,8 @@ from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, HfArgumentParser, PreTrainedModel, PreTrainedTokenizerBase
 
-from .config import DPPOConfig
+from ..config import DPPOConfig
+from ..trainer import DPPOTrainer
 from .default_model import DEFAULT_MODEL, resolve_model
 from .hh_reward_model import (
     HHSplits,
@@ -48,7 +50,6 @@ from .hh_reward_model import (
 from .hh_rlhf import load_policy_tokenizer, load_reward_model
 from .plots import plot_run
 from .script_utils import write_run_outputs
-from .trainer import DPPOTrainer
 
 
 __all__ = [
@@ -460,10 +461,10 @@ def make_parser() -> HfArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """``python -m trl_dppo.hh_pipeline [ARGS]``: both steps, every artefact in ``--output_dir``."""
+    """``python -m trl_dppo.jobs.hh_pipeline [ARGS]``: both steps, every artefact in ``--output_dir``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     data_args, reward_args, policy_args = make_parser().parse_args_into_dataclasses(args=argv)
-    command = shlex.join(["python", "-m", "trl_dppo.hh_pipeline", *argv])
+    command = shlex.join(["python", "-m", "trl_dppo.jobs.hh_pipeline", *argv])
     return run_pipeline(data_args, reward_args, policy_args, command=command)
 
 

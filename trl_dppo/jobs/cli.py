@@ -2,13 +2,13 @@
 
     trl-dppo math [ARGS]        DPPO + LoRA on arithmetic (the main job; examples/dppo_math_lora.py)
     trl-dppo hh-rlhf [ARGS]     DPPO + LoRA on HH-RLHF prompts with a reward model (examples/hh_rlhf_lora.py)
-    trl-dppo hh [ARGS]          a reward model on HH preference pairs, then DPPO against it (trl_dppo.hh_pipeline)
+    trl-dppo hh [ARGS]          a reward model on HH preference pairs, then DPPO against it (trl_dppo.jobs.hh_pipeline)
     trl-dppo hh-reward-model    that pipeline's reward model alone
-    trl-dppo plot RUN [--out]   the plots of a run (python -m trl_dppo.plots)
+    trl-dppo plot RUN [--out]   the plots of a run (python -m trl_dppo.jobs.plots)
 
 The training jobs take TRL-style flags (every DPPOConfig and ModelConfig field, and the job's own) and `--config
 FILE.yaml`, as `trl grpo` does; `trl-dppo COMMAND --help` lists them. On several processes:
-`accelerate launch [--config_file ...] -m trl_dppo.cli COMMAND ...`.
+`accelerate launch [--config_file ...] -m trl_dppo.jobs.cli COMMAND ...`.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from collections.abc import Sequence
 
 # command -> (module, its function taking the remaining arguments, one-line help)
 COMMANDS = {
-    "math": ("trl_dppo.scripts.dppo_math_lora", "cli", "DPPO + LoRA on verifiable arithmetic (the main job)"),
-    "hh-rlhf": ("trl_dppo.scripts.hh_rlhf_lora", "cli", "DPPO + LoRA on HH-RLHF prompts scored by a reward model"),
-    "hh": ("trl_dppo.hh_pipeline", "main", "HH-RLHF end to end: a reward model on HH pairs, then DPPO against it"),
-    "hh-reward-model": ("trl_dppo.hh_pipeline", "reward_model_main", "the HH pipeline's reward model alone"),
-    "plot": ("trl_dppo.plots", "main", "draw the plots of a run from its output_dir or log history"),
+    "math": ("trl_dppo.jobs.dppo_math_lora", "cli", "DPPO + LoRA on verifiable arithmetic (the main job)"),
+    "hh-rlhf": ("trl_dppo.jobs.hh_rlhf_lora", "cli", "DPPO + LoRA on HH-RLHF prompts scored by a reward model"),
+    "hh": ("trl_dppo.jobs.hh_pipeline", "main", "HH-RLHF end to end: a reward model on HH pairs, DPPO against it"),
+    "hh-reward-model": ("trl_dppo.jobs.hh_pipeline", "reward_model_main", "the HH pipeline's reward model alone"),
+    "plot": ("trl_dppo.jobs.plots", "main", "draw the plots of a run from its output_dir or log history"),
 }
 
 

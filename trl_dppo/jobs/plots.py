@@ -1,6 +1,6 @@
 """Plots of a DPPO run from its log history.
 
-    python -m trl_dppo.plots OUTPUT_DIR [--out PLOT_DIR]
+    python -m trl_dppo.jobs.plots OUTPUT_DIR [--out PLOT_DIR]
 
 reads ``OUTPUT_DIR/log_history.json`` (written by the example scripts) or a Trainer's ``trainer_state.json`` (in
 OUTPUT_DIR, or in its latest ``checkpoint-*``; a path to either file works too) and writes into ``OUTPUT_DIR/plots/``:
@@ -29,10 +29,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .trainer import MU_BUCKETS  # noqa: E402  (labels of the `tokens_by_mu/<label>/...` metrics)
 
-
-__all__ = ["MU_BUCKETS", "bucket_means", "load_log_history", "main", "moving_average", "plot_run", "series"]
+__all__ = ["bucket_means", "load_log_history", "main", "moving_average", "mu_buckets", "plot_run", "series"]
 
 
 LogHistory = Sequence[Mapping[str, Any]]
@@ -158,10 +156,32 @@ def plot_mismatch(history: LogHistory, path: Path) -> Path | None:
     return _finish(fig, ax, path)
 
 
+_BUCKET_TOTAL = re.compile(r"tokens_by_mu/(.+)/total")
+
+
+def _lower_bound(label: str) -> float:
+    """Where a bucket starts: ``"<0.001"`` at 0, ``"0.001-0.01"`` at 0.001, ``">=0.9"`` at 0.9."""
+    if label.startswith("<"):
+        return 0.0
+    try:
+        return float(label.removeprefix(">=").split("-")[0])
+    except ValueError:
+        raise ValueError(f"tokens_by_mu bucket {label!r} is not of the form '<a', 'a-b' or '>=a'.") from None
+
+
+def mu_buckets(history: LogHistory) -> list[str]:
+    """Labels of the log's ``tokens_by_mu/<label>/total`` metrics, lowest sampler probability first.
+
+    Read from the log itself, so that plotting a run needs nothing from the trainer (nor torch).
+    """
+    labels = {m.group(1) for entry in history for key in entry if (m := _BUCKET_TOTAL.fullmatch(key))}
+    return sorted(labels, key=_lower_bound)
+
+
 def bucket_means(history: LogHistory) -> dict[str, dict[str, float]] | None:
-    """Run mean of ``tokens_by_mu/<bucket>/{total,masked,ppo_clipped}`` per bucket, or ``None`` if never logged."""
+    """Run mean of ``tokens_by_mu/<bucket>/{total,masked,ppo_clipped}`` per bucket (`mu_buckets` order), or None."""
     means: dict[str, dict[str, float]] = {}
-    for bucket in MU_BUCKETS:
+    for bucket in mu_buckets(history):
         row = {}
         for kind in ("total", "masked", "ppo_clipped"):
             _, values = series(history, f"tokens_by_mu/{bucket}/{kind}")
@@ -176,10 +196,11 @@ def plot_tokens_by_mu(history: LogHistory, path: Path) -> Path | None:
     means = bucket_means(history)
     if means is None:
         return None
-    x = list(range(len(MU_BUCKETS)))
-    total = [means[b]["total"] for b in MU_BUCKETS]
-    masked = [means[b]["masked"] for b in MU_BUCKETS]
-    clipped = [means[b]["ppo_clipped"] for b in MU_BUCKETS]
+    buckets = list(means)
+    x = list(range(len(buckets)))
+    total = [means[b]["total"] for b in buckets]
+    masked = [means[b]["masked"] for b in buckets]
+    clipped = [means[b]["ppo_clipped"] for b in buckets]
     kept = [t - m for t, m in zip(total, masked, strict=True)]
     width = 0.27
     fig, (ax_counts, ax_frac) = plt.subplots(1, 2, figsize=(13, 4.8))
@@ -205,7 +226,7 @@ def plot_tokens_by_mu(history: LogHistory, path: Path) -> Path | None:
         ylabel="fraction of the bucket's tokens",
     )
     for ax in (ax_counts, ax_frac):
-        ax.set_xticks(x, MU_BUCKETS)
+        ax.set_xticks(x, buckets)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -251,7 +272,7 @@ def plot_run(source: str | Path | LogHistory, out_dir: str | Path | None = None)
 
 
 def main(argv: Sequence[str] | None = None) -> list[Path]:
-    parser = argparse.ArgumentParser(prog="python -m trl_dppo.plots", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trl_dppo.jobs.plots", description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="output_dir of a run, a checkpoint folder, log_history.json or trainer_state.json")
     parser.add_argument("--out", default=None, help="folder for the PNGs (default: RUN/plots)")
     args = parser.parse_args(argv)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .config import EXPERIMENTAL_DPPO_RENAMES
+from ..config import EXPERIMENTAL_DPPO_RENAMES
 from .default_model import DEFAULT_MODEL, resolve_model
 
 

@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 
 from trl import ModelConfig, TrlParser, get_peft_config
 
-from ..arithmetic import arithmetic_dataset, exact_answer_reward
 from ..config import DPPOConfig
-from ..script_utils import (
+from ..trainer import DPPOTrainer
+from .arithmetic import arithmetic_dataset, exact_answer_reward
+from .script_utils import (
     COMMON_DEFAULTS,
     device_defaults,
     parse_with_defaults,
@@ -48,7 +49,6 @@ from ..script_utils import (
     set_model_init_kwargs,
     train_and_report,
 )
-from ..trainer import DPPOTrainer
 
 
 @dataclass

@@ -35,7 +35,7 @@ prompts), `--divergence binary_kl --delta 0.05` (KL), or full fine-tuning with `
 and raise `--gradient_accumulation_steps` to 32 (the same 128 completions per optimizer step).
 
 The same run from a recipe: `accelerate launch --config_file examples/accelerate_configs/multi_gpu.yaml
---num_processes 8 -m trl_dppo.cli hh-rlhf --config recipes/hh_rlhf_qwen3_4b_lora.yaml`. With `--load_in_4bit true`
+--num_processes 8 -m trl_dppo.jobs.cli hh-rlhf --config recipes/hh_rlhf_qwen3_4b_lora.yaml`. With `--load_in_4bit true`
 the policy loads 4-bit quantized (QLoRA; bitsandbytes, CUDA only).
 
 A CPU smoke run with the offline default policy (any small local reward model works):
@@ -54,9 +54,10 @@ import torch
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from ..config import DPPOConfig
-from ..default_model import resolve_model
-from ..hh_rlhf import REWARD_MODEL_HINT, load_hh_prompts, load_policy_tokenizer, load_reward_model
-from ..script_utils import (
+from ..trainer import DPPOTrainer
+from .default_model import resolve_model
+from .hh_rlhf import REWARD_MODEL_HINT, load_hh_prompts, load_policy_tokenizer, load_reward_model
+from .script_utils import (
     COMMON_DEFAULTS,
     device_defaults,
     parse_with_defaults,
@@ -64,7 +65,6 @@ from ..script_utils import (
     set_model_init_kwargs,
     train_and_report,
 )
-from ..trainer import DPPOTrainer
 
 
 @dataclass

@@ -4,8 +4,8 @@ HH-RLHF rows are preference pairs (``chosen`` / ``rejected`` dialogues sharing e
 reply). Here each row becomes ``{"prompt", "chosen", "rejected"}`` in TRL's conversational preference format, the rows
 are split once, by a seed, into three disjoint parts (the reward model's training pairs, the pairs whose prompts DPPO
 trains on, and a held-out part neither model ever trains on), and the reward model is trained on the first part and
-saved merged, as an ordinary one-output sequence-classification model that `trl_dppo.hh_rlhf.load_reward_model` (and
-so ``examples/hh_rlhf_lora.py --reward_model_name_or_path DIR``) loads.
+saved merged, as an ordinary one-output sequence-classification model that
+`trl_dppo.jobs.hh_rlhf.load_reward_model` (and so ``examples/hh_rlhf_lora.py --reward_model_name_or_path DIR``) loads.
 
 Scores are computed the way GRPOTrainer computes them during DPPO (conversation rendered with the reward tokenizer's
 chat template, right padding, no special tokens added), so a held-out accuracy measured here is the accuracy of the

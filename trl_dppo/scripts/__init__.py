@@ -1,1 +1,0 @@
-"""The jobs this package ships, each a TRL-style script: `trl-dppo <command>` runs them (see `trl_dppo.cli`)."""
