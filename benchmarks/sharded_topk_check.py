@@ -86,8 +86,9 @@ def check(model_dir: str, out_json: str) -> None:
     gaps = []
     set_weights = trainer._set_trust_region_advantages
 
-    def spy_weights(inputs, trainer_logps, hidden):
-        set_weights(inputs, trainer_logps, hidden)
+    def spy_weights(context, trainer_logps, hidden):
+        set_weights(context, trainer_logps, hidden)
+        inputs = context.inputs
         mask = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).bool()
         slots = mask[..., None] & (inputs["sampler_kept_ids"] >= 0)
         gaps.append((reads[-1][1] - inputs["sampler_kept_logps"]).abs()[slots].max().item())

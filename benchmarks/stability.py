@@ -41,7 +41,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 RUNS = ROOT / "runs"  # full outputs (adapters, logs); not committed
 ENV = {**TRIAL_ENV, "VLLM_CPU_KVCACHE_SPACE": "2"}
 
-# The ladder, one variable at a time (trl_dppo/losses.py has each weight's equation)
+# The ladder, one variable at a time (trl_dppo/trust_regions.py and the README have each weight's equation)
 METHODS: dict[str, list[str]] = {
     "pg_is": ["--trust_region", "pg_is"],
     "cispo": ["--trust_region", "cispo", "--ratio_cap", "10"],

@@ -152,10 +152,11 @@ def spy_on_trust_region(trainer):
     seen = []
     original = trainer._set_trust_region_advantages
 
-    def spy(inputs, trainer_logps, hidden):
+    def spy(context, trainer_logps, hidden):
+        inputs = context.inputs
         mask = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).bool()
         seen.append((inputs["sampling_per_token_logps"].clone(), trainer_logps.clone(), mask, dict(inputs)))
-        return original(inputs, trainer_logps, hidden)
+        return original(context, trainer_logps, hidden)
 
     trainer._set_trust_region_advantages = spy
     return seen

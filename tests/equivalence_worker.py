@@ -82,6 +82,7 @@ def train(name: str, settings: dict, batch: dict, model_dir: str, output_dir: st
         divergence=settings["divergence"],
         topk=TOPK,
         loss_type=settings["loss_type"],
+        log_tokens_by_mu=True,
     )
     trainer = DPPOTrainer(
         model=model_dir,

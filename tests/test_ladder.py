@@ -1,4 +1,5 @@
-"""The paper's ladder and DRPO in one trainer: each method's per-token gradient on hand-computed cases."""
+"""The paper's ladder, DRPO and the paper's relaxed clip in one trainer: each method's per-token gradient on
+hand-computed cases (`trl_dppo.trust_regions`)."""
 
 from __future__ import annotations
 
@@ -9,30 +10,46 @@ import pytest
 import torch
 
 from trl_dppo.divergence import binary_divergence
-from trl_dppo.losses import TRUST_REGIONS, drpo_gradient_weights, loss_from_weights, trust_region_weights
+from trl_dppo.losses import drpo_gradient_weights, loss_from_weights
+from trl_dppo.trust_regions import TRUST_REGIONS, TrustRegionInput, get_trust_region
 
 from .conftest import PolicyForwardCounter, make_trainer
 
 
-def grad_of(method, pi, mu, advantage, delta=0.15, ratio_cap=3.0, anchor=None, eps=(0.2, 0.28)):
-    """d(loss)/d(log pi) for one token: -w, with w the method's weight of grad log pi."""
-    trainer_logps = torch.tensor([math.log(pi)], requires_grad=True)
-    sampler_logps = torch.tensor([math.log(mu)])
-    advantages = torch.tensor([advantage])
-    divergence = binary_divergence(sampler_logps, trainer_logps.detach(), "tv")
-    weights, keep = trust_region_weights(
-        method,
-        trainer_logps.detach(),
-        sampler_logps,
-        advantages,
-        divergence,
-        delta,
-        delta,
+def log(*probs: float) -> torch.Tensor:
+    return torch.tensor([math.log(p) for p in probs])
+
+
+def weights_of(method, pi, mu, advantages, delta=0.15, ratio_cap=3.0, anchor=None, eps=(0.2, 0.28), alpha=0.1):
+    """(weights, keep) of a method on tokens with trainer probabilities `pi` and sampler probabilities `mu`."""
+    trainer_logps, sampler_logps = log(*pi), log(*mu)
+    settings = dict(
+        delta_low=delta,
+        delta_high=delta,
         ratio_cap=ratio_cap,
-        eps_low=eps[0],
-        eps_high=eps[1],
-        anchor_logps=None if anchor is None else torch.tensor([math.log(anchor)]),
+        epsilon_low=eps[0],
+        epsilon_high=eps[1],
+        negative_mask_threshold=0.5,
+        relaxed_clip_below=alpha,
     )
+    trust_region = get_trust_region(method)
+    batch = TrustRegionInput(
+        trainer_logps=trainer_logps,
+        sampler_logps=sampler_logps,
+        base_logps=sampler_logps,
+        advantages=torch.tensor(advantages),
+        divergence=binary_divergence(sampler_logps, trainer_logps, "tv"),
+        anchor_logps=trainer_logps if anchor is None else log(*anchor),
+    )
+    return trust_region(batch, **{name: settings[name] for name in trust_region.settings})
+
+
+def grad_of(method, pi, mu, advantage, anchor=None, **settings):
+    """d(loss)/d(log pi) for one token: -w, with w the method's weight of grad log pi."""
+    weights, keep = weights_of(
+        method, [pi], [mu], [advantage], anchor=None if anchor is None else [anchor], **settings
+    )
+    trainer_logps = log(pi).requires_grad_(True)
     loss_from_weights(trainer_logps, weights).sum().backward()
     return trainer_logps.grad.item(), bool(keep.item())
 
@@ -107,9 +124,32 @@ def test_mask_drpo_switches_from_dppo_to_drpo_at_the_boundary():
     assert not kept and outside == pytest.approx(-r * (1 - (delta + 0.05) / delta))  # DRPO: corrective
 
 
-def test_unknown_method_is_rejected():
-    with pytest.raises(ValueError, match="method"):
-        trust_region_weights("ppo", *(torch.zeros(1),) * 4, 0.1, 0.1)
+def test_relaxed_clip_is_grpos_clip_except_for_tokens_the_sampler_found_rare():
+    """The paper's efficiency probe: epsilon -> infinity on both sides where mu < alpha (0.1), PPO's clip elsewhere."""
+    assert grad_of("relaxed_clip", pi=0.1, mu=0.05, advantage=1.0) == (pytest.approx(-2.0), True)  # r = 2 > 1.28
+    assert grad_of("relaxed_clip", pi=0.02, mu=0.05, advantage=-1.0) == (pytest.approx(0.4), True)  # r = 0.4 < 0.8
+    assert grad_of("relaxed_clip", pi=0.4, mu=0.2, advantage=1.0) == (pytest.approx(0.0), False)  # mu >= alpha: grpo
+    assert grad_of("relaxed_clip", pi=0.24, mu=0.2, advantage=1.0)[0] == pytest.approx(-1.2)  # r = 1.2 inside
+    assert grad_of("relaxed_clip", pi=0.4, mu=0.2, advantage=1.0, alpha=0.25) == (pytest.approx(-2.0), True)
+
+
+def test_relaxed_clip_gradient_on_a_batch_computed_by_hand():
+    """Two tokens, A = +1, both with r = pi / mu = 2 > 1 + epsilon_high = 1.28: the one drawn with mu = 0.05 < alpha
+    keeps its gradient -r A = -2 (and its weight r A = 2); the one drawn with mu = 0.3 >= alpha is clipped to 0."""
+    weights, keep = weights_of("relaxed_clip", pi=[0.1, 0.6], mu=[0.05, 0.3], advantages=[1.0, 1.0], alpha=0.1)
+    assert keep.tolist() == [True, False]
+    torch.testing.assert_close(weights, torch.tensor([2.0, 0.0]))
+    trainer_logps = log(0.1, 0.6).requires_grad_(True)
+    loss_from_weights(trainer_logps, weights).sum().backward()
+    torch.testing.assert_close(trainer_logps.grad, torch.tensor([-2.0, 0.0]))
+
+
+def test_relaxed_clip_tests_rarity_on_the_untruncated_mu_base():
+    """A token drawn at mu = 0.2 after top-p renormalisation, with mu_base = 0.05 before it, counts as rare."""
+    sampled, base, pi = log(0.2), log(0.05), log(0.5)  # r = pi / mu = 2.5, outside the clip
+    batch = TrustRegionInput(pi, sampled, base, torch.tensor([1.0]), torch.zeros(1), pi)
+    weights, keep = get_trust_region("relaxed_clip")(batch, epsilon_low=0.2, epsilon_high=0.28, relaxed_clip_below=0.1)
+    assert keep.item() and weights.item() == pytest.approx(2.5)  # the ratio keeps the mu sampled from
 
 
 @pytest.mark.parametrize("method", TRUST_REGIONS)
@@ -127,7 +167,7 @@ def test_every_method_trains_in_the_trainer(method, tmp_path, tiny_model_dir, pr
     counter = PolicyForwardCounter(trainer)
     trainer.train()
     # minirl is the one method that recomputes (its anchor); the others use the sampler's record
-    assert (counter.count > 0) == (method == "minirl")
+    assert (counter.count > 0) == TRUST_REGIONS[method].recomputes_anchor
     entry = next(e for e in trainer.state.log_history if "loss" in e)
     for key in (
         "diagnostics/bad_update_fraction",

@@ -40,7 +40,7 @@ def test_recorded_mu_is_the_samplers_own_probability_token_by_token(tmp_path, ti
 
 
 def test_trains_with_lora_and_logs_the_trust_region_metrics(tmp_path, tiny_model_dir, prompts, tokenizer):
-    trainer = make_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, max_steps=3)
+    trainer = make_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, max_steps=3, log_tokens_by_mu=True)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     after = dict(trainer.model.named_parameters())
@@ -52,6 +52,37 @@ def test_trains_with_lora_and_logs_the_trust_region_metrics(tmp_path, tiny_model
             assert key in entry and math.isfinite(entry[key]), key
         assert 0.0 <= entry["trust_region/masked_fraction"] <= 1.0
         assert entry["mismatch/missing_sampler_logps"] == 0
+
+
+def test_nothing_set_during_a_loss_computation_survives_it(tmp_path, tiny_model_dir, prompts, tokenizer):
+    """`_compute_loss` hands the loss's forward pass one `_LossContext`, set for the loss and cleared after it: the
+    trainer has the same attributes before and after every loss computation, and no context outside one."""
+    trainer = make_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, max_steps=2, steps_per_generation=2)
+    handed = []
+    set_weights = trainer._set_trust_region_advantages
+
+    def spy(context, trainer_logps, hidden):
+        handed.append(trainer._loss_context is context)
+        return set_weights(context, trainer_logps, hidden)
+
+    around = []
+    compute_loss = trainer._compute_loss
+
+    def watched(model, inputs):
+        before = dict(vars(trainer))
+        loss = compute_loss(model, inputs)
+        around.append((before, dict(vars(trainer))))
+        return loss
+
+    trainer._set_trust_region_advantages, trainer._compute_loss = spy, watched
+    trainer.train()
+    assert handed == [True, True]
+    for before, after in around:
+        assert after.keys() == before.keys()
+        assert before["_loss_context"] is None and after["_loss_context"] is None
+    # The bucket metrics are off by default (log_tokens_by_mu)
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logs and not [key for entry in logs for key in entry if key.startswith("tokens_by_mu/")]
 
 
 def test_no_old_logprob_recomputation_where_grpo_runs_one(tmp_path, tiny_model_dir, prompts, tokenizer):

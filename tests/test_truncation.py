@@ -26,9 +26,9 @@ def train_at_learning_rate_zero(tmp_path, model_dir, prompts, tokenizer, compare
     if compare_with_sampled_mu:  # what the trust region did before mu_base was recorded
         original = trainer._set_trust_region_advantages
 
-        def without_base(inputs, trainer_logps, hidden):
-            inputs.pop("sampler_base_logps")
-            return original(inputs, trainer_logps, hidden)
+        def without_base(context, trainer_logps, hidden):
+            context.inputs.pop("sampler_base_logps")
+            return original(context, trainer_logps, hidden)
 
         trainer._set_trust_region_advantages = without_base
     trainer.train()
@@ -81,13 +81,12 @@ def test_vllm_accepts_generation_kwargs_that_leave_the_distribution_alone(tmp_pa
 
 
 def test_trust_region_weights_take_the_mask_from_base_and_the_ratio_from_sampled_mu():
-    from trl_dppo.losses import trust_region_weights
+    from trl_dppo.trust_regions import TrustRegionInput, get_trust_region
 
     pi = torch.tensor([0.4]).log()
     base, sampled = torch.tensor([0.4]).log(), torch.tensor([0.8]).log()  # Z = 0.5
-    weights, keep = trust_region_weights(
-        "dppo", pi, sampled, torch.tensor([-1.0]), torch.tensor([0.0]), 0.15, 0.15, base_logps=base
-    )
+    batch = TrustRegionInput(pi, sampled, base, torch.tensor([-1.0]), torch.tensor([0.0]), pi)
+    weights, keep = get_trust_region("dppo")(batch, delta_low=0.15, delta_high=0.15, ratio_cap=None)
     assert keep.all() and weights.item() == pytest.approx(-0.5)
 
 

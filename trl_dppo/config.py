@@ -8,7 +8,7 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from .losses import TRUST_REGIONS
+from .trust_regions import TRUST_REGIONS, get_trust_region
 
 
 __all__ = ["DPPOConfig", "DIVERGENCES", "DEFAULT_DELTA", "EXPERIMENTAL_DPPO_RENAMES"]
@@ -35,8 +35,8 @@ SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 # trl.experimental.dppo's DPPOConfig (TRL 1.0-1.8) -> this package's field of the same meaning. There, `epsilon` and
 # `epsilon_high` were the thresholds delta_low / delta_high; here they keep GRPOConfig's meaning (PPO's ratio clip).
 EXPERIMENTAL_DPPO_RENAMES = {"divergence_type": "divergence", "divergence_topk": "topk", "clip_ratio_c": "ratio_cap"}
-# Trust regions that read GRPOConfig's `epsilon` / `epsilon_high` as their ratio clip
-_EPSILON_CLIPS = ("grpo", "minirl")
+# The settings through which a trust region reads GRPOConfig's `epsilon` / `epsilon_high` (PPO's ratio clip)
+_PPO_CLIP_SETTINGS = {"epsilon_low", "epsilon_high"}
 
 
 @dataclass
@@ -50,13 +50,14 @@ class DPPOConfig(GRPOConfig):
 
     Parameters:
         trust_region (`str`, defaults to `"dppo"`):
-            The trust region, for ablations along the paper's ladder: `dppo`, `drpo` (DRPO's smooth regulariser with
-            DPPO's binary-TV boundary), `mask_drpo` (DPPO inside the trust region, DRPO outside), `grpo` (PPO's ratio
-            clip at mu with `epsilon` / `epsilon_high`), `minirl` (the same clip at a recomputed anchor: the one mode
-            that recomputes), `pg_is` (no trust region), `cispo` (ratio truncated at `ratio_cap`), `negative_mask`
-            (the paper's RQ3 mask: only large negative updates blocked). See `trl_dppo/losses.py` for the equations.
+            The trust region: `dppo`, or for ablations another method registered in `trl_dppo.trust_regions` (the
+            paper's ladder, DRPO and the paper's relaxed clip; the field's help and the README's table list them with
+            their equations), or your own registered with `register_trust_region`. A method's settings are the fields
+            of the same names (`epsilon_low` / `epsilon_high` are PPO's `epsilon` / `epsilon_high`).
         negative_mask_threshold (`float`, defaults to `0.5`):
             Probability drop mu - pi at which `negative_mask` blocks a negative-advantage token.
+        relaxed_clip_below (`float`, defaults to `0.1`):
+            alpha of `relaxed_clip`: tokens the sampler drew with probability mu_base < alpha are never clipped.
         divergence (`str`, defaults to `"binary_tv"`):
             Estimate of D_t: `binary_tv` (|mu - pi| of the sampled token), `binary_kl` (KL of the two coin flips
             "sampled token or not"), `topk_tv` / `topk_kl` (over the sampler's `topk` most likely tokens plus the
@@ -77,12 +78,16 @@ class DPPOConfig(GRPOConfig):
             changing `generation_kwargs`) with vLLM. vLLM reports only the renormalised log-probabilities, so the
             divergence then includes a spurious (1 - Z)/Z (Z the kept mass); it is logged as `truncation/*`.
             transformers generation records the untruncated mu and needs no opt-in.
+        log_tokens_by_mu (`bool`, defaults to `False`):
+            Also log the token counts per sampler-probability bucket (`tokens_by_mu/<bucket>/{total,masked,
+            ppo_clipped}`, 18 series), which `trl-dppo plot` draws as `tokens_by_mu.png`. The shipped jobs turn it on.
 
     GRPOConfig options that contradict DPPO are off by default here and rejected when set: vLLM's importance-sampling
     correction (it recomputes old log-probabilities, which DPPO does without), sequence-level importance sampling, the
-    loss types that are trust regions of their own (`cispo`, `sapo`, `vespo`), the off-policy sequence mask, and transformers' continuous-batching generation (it records no per-token
-    log-probabilities). PPO's `epsilon` / `epsilon_high` are not DPPO's thresholds: they set the ratio clip of
-    `trust_region="grpo"` / `"minirl"` and what the diagnostics count as PPO-clipped; set elsewhere they warn, since
+    loss types that are trust regions of their own (`cispo`, `sapo`, `vespo`), the off-policy sequence mask, and
+    transformers' continuous-batching generation (it records no per-token log-probabilities). PPO's `epsilon` /
+    `epsilon_high` are not DPPO's thresholds: they set the ratio clip of the trust regions that clip (`grpo`,
+    `minirl`, `relaxed_clip`) and what the diagnostics count as PPO-clipped; set elsewhere they warn, since
     `trl.experimental.dppo` used them as delta_low / delta_high. Its other names (`divergence_type`,
     `divergence_topk`, `clip_ratio_c`) raise an error naming the field here; `from_grpo_config` converts a GRPOConfig.
     """
@@ -90,14 +95,25 @@ class DPPOConfig(GRPOConfig):
     trust_region: str = field(
         default="dppo",
         metadata={
-            "help": "Trust region: 'dppo' (default), or for ablations 'drpo', 'mask_drpo', 'grpo', 'minirl', "
-            "'pg_is', 'cispo', 'negative_mask' (the paper's ladder; equations in trl_dppo/losses.py).",
-            "choices": list(TRUST_REGIONS),
+            "help": "Trust region: DPPO's ('dppo', the default) or, for ablations, another method, given by its "
+            "per-token weight w of grad log pi (r = pi/mu, A the advantage, C = ratio_cap, D the divergence): "
+            + "; ".join(f"'{name}': {method.equation}" for name, method in TRUST_REGIONS.items())
+            + ". Methods registered with trl_dppo.trust_regions.register_trust_region are accepted too.",
+            "choices": TRUST_REGIONS.keys(),  # a live view: methods registered later are accepted
         },
     )
     negative_mask_threshold: float = field(
         default=0.5,
         metadata={"help": "Drop mu - pi at which trust_region='negative_mask' blocks a token (the paper's RQ3: 0.5)."},
+    )
+    relaxed_clip_below: float = field(
+        default=0.1,
+        metadata={
+            "help": "alpha of trust_region='relaxed_clip': PPO's ratio clip (epsilon, epsilon_high), except that "
+            "tokens the sampler drew with probability mu < alpha are never clipped (epsilon -> infinity on both "
+            "sides). The paper's efficiency probe (Qi et al. 2026, section 6): alpha = 0.1 learned substantially "
+            "faster than GRPO's clip."
+        },
     )
     divergence: str = field(
         default="binary_tv",
@@ -143,6 +159,14 @@ class DPPOConfig(GRPOConfig):
             "Not needed with transformers generation, which records the untruncated mu."
         },
     )
+    log_tokens_by_mu: bool = field(
+        default=False,
+        metadata={
+            "help": "Also log tokens_by_mu/<bucket>/{total,masked,ppo_clipped}: per sampler-probability bucket (6 "
+            "buckets, 18 series), the tokens, those the trust region masked and those PPO's clip would block. "
+            "`trl-dppo plot` draws them as tokens_by_mu.png (skipped without them); the shipped jobs turn it on."
+        },
+    )
     vllm_importance_sampling_correction: bool = field(
         default=False,
         metadata={
@@ -185,8 +209,7 @@ class DPPOConfig(GRPOConfig):
         return cls(**{**settings, **dppo_fields})
 
     def __post_init__(self):
-        if self.trust_region not in TRUST_REGIONS:
-            raise ValueError(f"trust_region must be one of {TRUST_REGIONS}, got {self.trust_region!r}.")
+        trust_region = get_trust_region(self.trust_region)
         if self.trust_region in ("drpo", "mask_drpo") and self.divergence != "binary_tv":
             raise ValueError(
                 f"trust_region={self.trust_region!r} regularises toward DPPO's binary-TV boundary |pi - mu| <= delta; "
@@ -194,6 +217,10 @@ class DPPOConfig(GRPOConfig):
             )
         if not 0 < self.negative_mask_threshold <= 1:
             raise ValueError(f"negative_mask_threshold must be in (0, 1], got {self.negative_mask_threshold}.")
+        if not 0 < self.relaxed_clip_below <= 1:
+            raise ValueError(
+                f"relaxed_clip_below must be in (0, 1] (a sampler probability alpha), got {self.relaxed_clip_below}."
+            )
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}.")
         kind = self.divergence.split("_")[1]
@@ -214,7 +241,7 @@ class DPPOConfig(GRPOConfig):
             raise ValueError(f"topk must be a positive integer, got {self.topk!r}.")
         if self.ratio_cap is not None and not self.ratio_cap >= 1:
             raise ValueError(f"ratio_cap must be >= 1 or None (no cap), got {self.ratio_cap}.")
-        if self.trust_region not in _EPSILON_CLIPS and (
+        if _PPO_CLIP_SETTINGS.isdisjoint(trust_region.settings) and (
             self.epsilon != GRPOConfig.epsilon or self.epsilon_high is not None
         ):
             warnings.warn(
@@ -225,6 +252,7 @@ class DPPOConfig(GRPOConfig):
                 UserWarning,
                 stacklevel=3,
             )
+        self.trust_region_settings()  # a setting with neither a field nor a default fails here, not at the first step
 
         if self.vllm_importance_sampling_correction:
             raise ValueError(
@@ -256,6 +284,18 @@ class DPPOConfig(GRPOConfig):
         super().__post_init__()
         if self.use_vllm and not self.vllm_allow_truncated_sampling:
             self._refuse_vllm_truncated_sampling()
+
+    def trust_region_settings(self) -> dict[str, Any]:
+        """The settings `trust_region`'s function declares, read from this config's fields of the same names.
+
+        `epsilon_low` / `epsilon_high` are PPO's clip range as GRPOTrainer reads it: `epsilon`, and `epsilon_high`
+        defaulting to `epsilon`. A setting with no field takes the function's default.
+        """
+        return get_trust_region(self.trust_region).settings_from(
+            self,
+            epsilon_low=self.epsilon,
+            epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
+        )
 
     def _refuse_vllm_truncated_sampling(self) -> None:
         """vLLM reports mu after truncation and penalties, which the trainer's pi = softmax(logits / T) lacks."""

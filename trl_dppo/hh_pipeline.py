@@ -232,6 +232,7 @@ def _train_policy(
         use_cpu=not cuda,
         gradient_checkpointing=False,  # a 135M model needs no memory savings; recomputation costs CPU time
         dataloader_num_workers=0,
+        log_tokens_by_mu=True,  # plot_run's tokens_by_mu.png
     )
     trainer = DPPOTrainer(
         model=policy_path,

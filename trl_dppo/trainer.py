@@ -9,11 +9,16 @@ in one small override:
   `sampling_per_token_logps`.
 - `_get_per_token_logps_and_entropies`: during scoring, skips GRPOTrainer's recomputation of old log-probabilities
   (the trust region's anchor is mu); during the loss, turns the forward pass's log pi into per-token advantages
-  w_t = M_t * min(pi/mu, C) * A_t (or another method's weight, `trust_region`, see `losses.py`). GRPOTrainer's loss
-  accepts `(B, T)` advantages and, with no old log-probabilities, has the gradient -w_t * grad log pi: DPPO's
+  w_t = M_t * min(pi/mu, C) * A_t (or another method's weight, `trust_region`, see `trust_regions.py`). GRPOTrainer's
+  loss accepts `(B, T)` advantages and, with no old log-probabilities, has the gradient -w_t * grad log pi: DPPO's
   gradient, normalised the GRPO way.
-- `_compute_loss`: arms the previous override for one loss computation, and takes tokens without a sampler
-  log-probability out of the loss.
+- `_compute_loss`: hands the previous override what it needs for one loss computation, in one `_LossContext` set
+  for the duration of `super()._compute_loss` and cleared after, and takes tokens without a sampler log-probability
+  out of the loss.
+
+Two objects carry state between calls, each set and cleared in one place: the generation batch's `SamplerRecords`
+(`_sampler_records`, while `_generate_and_score_completions` runs: its presence also says "scoring") and the
+`_LossContext` (`_loss_context`, while `_compute_loss` runs).
 
 `_generate` and `_generate_and_score_completions` additionally carry the sampler's records beyond the float TRL keeps
 into the batch (`records.py`): the top-K when the divergence is top-K, and log mu_base, the sampler's distribution
@@ -32,6 +37,7 @@ import textwrap
 from collections import Counter
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,7 +48,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from .config import DPPOConfig
 from .divergence import binary_divergence, topk_divergence, trust_region_mask
-from .losses import ratio_clip_keep, trust_region_weights
+from .losses import ratio_clip_keep
 from .records import SamplerRecords
 from .rollout import (
     SamplerLogprobRecorder,
@@ -52,6 +58,7 @@ from .rollout import (
     sync_weights_in_place,
 )
 from .topk import check_topk_sharding, check_topk_support, lm_head_kept_logps
+from .trust_regions import TrustRegionInput, get_trust_region
 
 
 if TYPE_CHECKING:
@@ -82,6 +89,23 @@ def _without_grpo_two_sided_clip(args: DPPOConfig):
         yield
     finally:
         args.delta = delta
+
+
+@dataclass(frozen=True)
+class _LossContext:
+    """What `_compute_loss` hands to the loss's forward pass (`_get_per_token_logps_and_entropies`) for one loss."""
+
+    inputs: dict[str, Any]  # the micro-batch (a shallow copy): its advantages become the trust region's weights
+    anchor_logps: torch.Tensor | None  # pi_old recomputed by GRPOTrainer, for trust regions that recompute an anchor
+    missing_sampler_logps: torch.Tensor  # loss tokens without a sampler log-probability, taken out of the loss
+    # The trust region's settings, read before `args.delta` is hidden from GRPOTrainer's loss
+    trust_region_settings: dict[str, Any]
+
+
+def _sum_over_processes(accelerator, values: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each named scalar summed over processes, in one collective."""
+    sums = accelerator.reduce(torch.stack(list(values.values())).float(), reduction="sum")
+    return dict(zip(values, sums.tolist(), strict=True))
 
 
 class _MaskedTokensWriter(TrainerCallback):
@@ -188,8 +212,7 @@ class DPPOTrainer(GRPOTrainer):
                     "returns only the sampled token's log-probability, so the top-K divergence would read 0 and mask "
                     "nothing. Use a binary divergence (divergence='binary_tv' or 'binary_kl') with a rollout_func."
                 )
-        self._loss_inputs: dict[str, Any] | None = None  # set while a loss is computed
-        self._scoring = False  # set while a generation batch is scored
+        self._loss_context: _LossContext | None = None  # set while a loss is computed (`_computing_loss`)
         # The optimizer step at which the training batch in use was generated: the loss runs on the weights that
         # sampled it (`mismatch/at_sync_*`) while `state.global_step` still equals it
         self._generated_at_step: int | None = None
@@ -270,7 +293,6 @@ class DPPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         if self.model.training:
             self._generated_at_step = self.state.global_step
-        self._scoring = True
         self._sampler_records = SamplerRecords(topk=self.topk)
         try:
             output = super()._generate_and_score_completions(inputs)
@@ -284,7 +306,6 @@ class DPPOTrainer(GRPOTrainer):
                 self._sampler_records.batch_tensors(output["completion_ids"], output["sampling_per_token_logps"])
             )
         finally:
-            self._scoring = False
             self._sampler_records = None
         return output
 
@@ -304,10 +325,11 @@ class DPPOTrainer(GRPOTrainer):
         return True
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        if self._scoring and self.args.trust_region != "minirl" and self._is_policy(model):
+        scoring = self._sampler_records is not None  # a generation batch is being scored
+        if scoring and not get_trust_region(self.args.trust_region).recomputes_anchor and self._is_policy(model):
             # GRPOTrainer's recomputation of old log-probabilities; DPPO's anchor is the sampler's record instead
             return None, None, None
-        if self._loss_inputs is None:
+        if self._loss_context is None:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
             )
@@ -325,7 +347,7 @@ class DPPOTrainer(GRPOTrainer):
             if handle is not None:
                 handle.remove()
         hidden = torch.cat(hidden, dim=0)[:, -logits_to_keep - 1 : -1] if self.topk else None
-        self._set_trust_region_advantages(self._loss_inputs, logps.detach(), hidden)
+        self._set_trust_region_advantages(self._loss_context, logps.detach(), hidden)
         return logps, entropies, aux_loss
 
     def _compute_loss(self, model, inputs):
@@ -340,19 +362,29 @@ class DPPOTrainer(GRPOTrainer):
         missing &= mask.bool()
         if missing.any():  # `tool_mask` only masks the loss, so this takes the tokens out without touching attention
             inputs["tool_mask"] = inputs.get("tool_mask", torch.ones_like(mask)) * (~missing).long()
-        self._missing_sampler_logps = missing.sum()
-        # Only minirl has them (recomputed pi_old, its anchor); GRPOTrainer's loss must see none, so its ratio is 1
-        self._anchor_logps = inputs.pop("old_per_token_logps", None)
-        self._loss_inputs = inputs
+        # Only a trust region that recomputes its anchor (minirl) has them; GRPOTrainer's loss must see none, so its
+        # ratio is 1
+        anchor_logps = inputs.pop("old_per_token_logps", None)
+        context = _LossContext(inputs, anchor_logps, missing.sum(), self.args.trust_region_settings())
+        with self._computing_loss(context), _without_grpo_two_sided_clip(self.args):
+            return super()._compute_loss(model, inputs)
+
+    @contextmanager
+    def _computing_loss(self, context: _LossContext):
+        """Hand `context` to the loss's forward pass for the duration of the block; nothing of it outlives the loss."""
+        self._loss_context = context
         try:
-            with _without_grpo_two_sided_clip(self.args):
-                return super()._compute_loss(model, inputs)
+            yield
         finally:
-            self._loss_inputs = None
+            self._loss_context = None
 
     @torch.no_grad()
-    def _set_trust_region_advantages(self, inputs, trainer_logps: torch.Tensor, hidden: torch.Tensor | None) -> None:
-        """Replace `inputs["advantages"]` by the per-token weights M_t * min(pi/mu, C) * A_t and log the metrics."""
+    def _set_trust_region_advantages(
+        self, context: _LossContext, trainer_logps: torch.Tensor, hidden: torch.Tensor | None
+    ) -> None:
+        """Replace the batch's advantages by the trust region's per-token weights (DPPO: M_t * min(pi/mu, C) * A_t)
+        and log the metrics."""
+        inputs = context.inputs
         mask = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).bool()
         advantages = inputs["advantages"]
         advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
@@ -377,27 +409,22 @@ class DPPOTrainer(GRPOTrainer):
             divergence = topk_divergence(sampler_kept, trainer_kept, self.kind)
         else:
             divergence = binary_divergence(base_logps, trainer_logps, self.kind)
-        weights, keep = trust_region_weights(
-            self.args.trust_region,
-            trainer_logps,
-            sampler_logps,
-            advantages,
-            divergence,
-            self.args.delta_low,
-            self.args.delta_high,
-            ratio_cap=self.args.ratio_cap,
-            eps_low=self.epsilon_low,
-            eps_high=self.epsilon_high,
-            anchor_logps=trainer_logps if self._anchor_logps is None else self._anchor_logps,
-            negative_threshold=self.args.negative_mask_threshold,
+        trust_region = get_trust_region(self.args.trust_region)
+        batch = TrustRegionInput(
+            trainer_logps=trainer_logps,
+            sampler_logps=sampler_logps,
             base_logps=base_logps,
+            advantages=advantages,
+            divergence=divergence,
+            anchor_logps=trainer_logps if context.anchor_logps is None else context.anchor_logps,
         )
+        weights, keep = trust_region(batch, **context.trust_region_settings)
         inputs["advantages"] = weights * mask
         # DPPO's own mask, whatever the trust region: the diagnostics compare it with PPO's clip
         dppo_keep = trust_region_mask(
             divergence, base_logps, trainer_logps, advantages, self.args.delta_low, self.args.delta_high
         )
-        self._log_trust_region(inputs, mask, keep, dppo_keep, advantages, base_logps, trainer_logps)
+        self._log_trust_region(context, mask, keep, dppo_keep, advantages, base_logps, trainer_logps)
         if self.use_vllm and self.args.vllm_allow_truncated_sampling:
             self._log_truncation_gap(mask, sampler_logps, trainer_logps)
 
@@ -411,19 +438,20 @@ class DPPOTrainer(GRPOTrainer):
             return
         mu, pi = sampler_logps.exp(), trainer_logps.exp()
         over = (mu - pi > self.args.delta_low) & mask
-        sums = torch.stack([((mu / pi - 1) * mask).sum(), over.sum(), mask.sum()]).float()
-        gap, over, tokens = self.accelerator.reduce(sums, reduction="sum").tolist()
+        sums = _sum_over_processes(
+            self.accelerator, {"gap": ((mu / pi - 1) * mask).sum(), "over": over.sum(), "tokens": mask.sum()}
+        )
         metrics = self._metrics["train"]
-        metrics["truncation/kept_mass_gap"].append(gap / max(tokens, 1.0))
-        metrics["truncation/spurious_tv_over_delta_fraction"].append(over / max(tokens, 1.0))
+        metrics["truncation/kept_mass_gap"].append(sums["gap"] / max(sums["tokens"], 1.0))
+        metrics["truncation/spurious_tv_over_delta_fraction"].append(sums["over"] / max(sums["tokens"], 1.0))
 
-    def _log_trust_region(self, inputs, mask, keep, dppo_keep, advantages, sampler_logps, trainer_logps) -> None:
+    def _log_trust_region(self, context, mask, keep, dppo_keep, advantages, sampler_logps, trainer_logps) -> None:
         """Gather the trust-region, mismatch and diagnostic metrics over processes and record them for logging."""
         mode = "train" if self.model.training else "eval"
         advantages = advantages.expand_as(mask)
         masked = ~keep & mask
         for sign, side in (("positive", advantages > 0), ("negative", advantages < 0)):
-            self.masked_token_counts[sign].update(inputs["completion_ids"][masked & side].tolist())
+            self.masked_token_counts[sign].update(context.inputs["completion_ids"][masked & side].tolist())
         pos, neg = (advantages > 0) & mask, (advantages < 0) & mask
         mu, pi = sampler_logps.exp(), trainer_logps.exp()
         prob_diff = (pi - mu).abs()
@@ -433,58 +461,54 @@ class DPPOTrainer(GRPOTrainer):
         ppo_clipped = ~ratio_clip_keep(log_ratio.exp(), advantages, self.epsilon_low, self.epsilon_high)
         # The paper's "bad updates" (RQ3): negative advantage and a drop of the sampled token's probability >= 0.5
         bad = (advantages < 0) & (mu - pi >= 0.5) & mask
-        sums = torch.stack(
-            [
-                masked.sum(),
-                mask.sum(),
-                (masked & pos).sum(),
-                pos.sum(),
-                (masked & neg).sum(),
-                neg.sum(),
-                (prob_diff * mask).sum(),
-                (kl * mask).sum(),
-                self._missing_sampler_logps,
-                bad.sum(),
-                (bad & ppo_clipped).sum(),
-                (bad & ~dppo_keep).sum(),
-            ]
-        ).float()
-        # Where the mask and PPO's ratio clip (at this config's epsilon) act, by the sampler's probability
-        bucket = torch.bucketize(mu, torch.tensor(MU_BUCKET_EDGES, device=mask.device), right=True)
-        by_bucket = torch.stack(
-            [
-                torch.stack([in_b.sum(), (in_b & masked).sum(), (in_b & ppo_clipped).sum()])
-                for in_b in ((bucket == b) & mask for b in range(len(MU_BUCKETS)))
-            ]
-        ).float()
-        stats = self.accelerator.reduce(torch.cat([sums, by_bucket.flatten()]), reduction="sum")
-        sums, by_bucket = stats[: sums.numel()].tolist(), stats[sums.numel() :].view_as(by_bucket).tolist()
+        counts = {
+            "masked": masked.sum(),
+            "tokens": mask.sum(),
+            "masked_pos_adv": (masked & pos).sum(),
+            "pos_adv": pos.sum(),
+            "masked_neg_adv": (masked & neg).sum(),
+            "neg_adv": neg.sum(),
+            "abs_prob_diff": (prob_diff * mask).sum(),
+            "kl": (kl * mask).sum(),
+            "missing_sampler_logps": context.missing_sampler_logps,
+            "bad": bad.sum(),
+            "bad_ppo_clipped": (bad & ppo_clipped).sum(),
+            "bad_dppo_masked": (bad & ~dppo_keep).sum(),
+        }
+        if self.args.log_tokens_by_mu:
+            # Where the mask and PPO's ratio clip (at this config's epsilon) act, by the sampler's probability
+            bucket = torch.bucketize(mu, torch.tensor(MU_BUCKET_EDGES, device=mask.device), right=True)
+            for b, label in enumerate(MU_BUCKETS):
+                in_bucket = (bucket == b) & mask
+                counts[f"tokens_by_mu/{label}/total"] = in_bucket.sum()
+                counts[f"tokens_by_mu/{label}/masked"] = (in_bucket & masked).sum()
+                counts[f"tokens_by_mu/{label}/ppo_clipped"] = (in_bucket & ppo_clipped).sum()
+        sums = _sum_over_processes(self.accelerator, counts)
         local_max = prob_diff[mask].max() if mask.any() else prob_diff.new_zeros(())
         global_max = self.accelerator.gather(local_max.reshape(1)).max().item()
 
-        def fraction(num: float, den: float) -> float:
-            return num / max(den, 1.0)
+        def fraction(num: str, den: str) -> float:
+            return sums[num] / max(sums[den], 1.0)
 
         metrics = self._metrics[mode]
-        metrics["trust_region/masked_fraction"].append(fraction(sums[0], sums[1]))
-        metrics["trust_region/masked_fraction_pos_adv"].append(fraction(sums[2], sums[3]))
-        metrics["trust_region/masked_fraction_neg_adv"].append(fraction(sums[4], sums[5]))
-        metrics["mismatch/abs_prob_diff_mean"].append(fraction(sums[6], sums[1]))
+        metrics["trust_region/masked_fraction"].append(fraction("masked", "tokens"))
+        metrics["trust_region/masked_fraction_pos_adv"].append(fraction("masked_pos_adv", "pos_adv"))
+        metrics["trust_region/masked_fraction_neg_adv"].append(fraction("masked_neg_adv", "neg_adv"))
+        metrics["mismatch/abs_prob_diff_mean"].append(fraction("abs_prob_diff", "tokens"))
         metrics["mismatch/abs_prob_diff_max"].append(global_max)
-        metrics["mismatch/kl_mean"].append(fraction(sums[7], sums[1]))
-        metrics["mismatch/missing_sampler_logps"].append(sums[8])
+        metrics["mismatch/kl_mean"].append(fraction("kl", "tokens"))
+        metrics["mismatch/missing_sampler_logps"].append(sums["missing_sampler_logps"])
         if mode == "train" and self.state.global_step == self._generated_at_step:
             # No update since the batch was sampled: the gap is the sampler-trainer mismatch alone (precision, kernels)
-            metrics["mismatch/at_sync_abs_prob_diff_mean"].append(fraction(sums[6], sums[1]))
+            metrics["mismatch/at_sync_abs_prob_diff_mean"].append(fraction("abs_prob_diff", "tokens"))
             metrics["mismatch/at_sync_abs_prob_diff_max"].append(global_max)
-            metrics["mismatch/at_sync_kl_mean"].append(fraction(sums[7], sums[1]))
-        metrics["diagnostics/bad_update_fraction"].append(fraction(sums[9], sums[1]))
-        metrics["diagnostics/bad_updates_blocked_by_ppo_clip"].append(fraction(sums[10], sums[9]))
-        metrics["diagnostics/bad_updates_blocked_by_dppo_mask"].append(fraction(sums[11], sums[9]))
-        for label, (total, masked_count, clipped_count) in zip(MU_BUCKETS, by_bucket, strict=True):
-            metrics[f"tokens_by_mu/{label}/total"].append(total)
-            metrics[f"tokens_by_mu/{label}/masked"].append(masked_count)
-            metrics[f"tokens_by_mu/{label}/ppo_clipped"].append(clipped_count)
+            metrics["mismatch/at_sync_kl_mean"].append(fraction("kl", "tokens"))
+        metrics["diagnostics/bad_update_fraction"].append(fraction("bad", "tokens"))
+        metrics["diagnostics/bad_updates_blocked_by_ppo_clip"].append(fraction("bad_ppo_clipped", "bad"))
+        metrics["diagnostics/bad_updates_blocked_by_dppo_mask"].append(fraction("bad_dppo_masked", "bad"))
+        for name, value in sums.items():
+            if name.startswith("tokens_by_mu/"):
+                metrics[name].append(value)
 
     def masked_tokens_report(self, top: int = 20) -> dict[str, list[dict]]:
         """The tokens the trust region masked most often over all processes, decoded, per advantage sign.

@@ -75,6 +75,7 @@ DEFAULTS: dict = {
     "gradient_checkpointing": False,  # a 135M model needs no memory savings; recomputation would cost time
     "save_strategy": "no",
     "dataloader_num_workers": 0,
+    "log_tokens_by_mu": True,  # the plots' tokens_by_mu.png
 }
 
 

@@ -107,6 +107,7 @@ DEFAULTS: dict = {
     "max_completion_length": 512,
     "save_strategy": "steps",
     "save_steps": 100,
+    "log_tokens_by_mu": True,  # the plots' tokens_by_mu.png
 }
 
 

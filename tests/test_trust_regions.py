@@ -1,0 +1,137 @@
+"""The trust-region registry: each method one registered function, the config's choices, validation and help and the
+README's table derived from it, and a method registered from outside the package trained through DPPOTrainer."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from transformers import HfArgumentParser
+
+from trl_dppo import DPPOConfig
+from trl_dppo.losses import dppo_gradient_weights
+from trl_dppo.trust_regions import TRUST_REGIONS, TrustRegionInput, register_trust_region
+
+from .conftest import REPO, make_trainer
+
+
+COMMON = dict(report_to="none", bf16=False)
+LADDER = ("dppo", "drpo", "mask_drpo", "grpo", "minirl", "pg_is", "cispo", "negative_mask", "relaxed_clip")
+
+
+@pytest.fixture
+def registry():
+    """The registry as the package leaves it, restored after the test (which may register methods of its own)."""
+    saved = dict(TRUST_REGIONS)
+    yield TRUST_REGIONS
+    TRUST_REGIONS.clear()
+    TRUST_REGIONS.update(saved)
+
+
+def register_clip_lower():
+    """The README's example, from outside the package."""
+
+    @register_trust_region("clip_lower", equation="w = M * min(r, cap) * A, M = 0 iff A < 0 and r < 1 - epsilon_low")
+    def clip_lower(x: TrustRegionInput, *, epsilon_low: float, cap: float = 10.0):
+        """The paper's Clip-Lower probe: only PPO's lower clip bound, and the ratio capped."""
+        keep = ~((x.advantages < 0) & (x.ratio < 1 - epsilon_low))
+        return dppo_gradient_weights(x.trainer_logps, x.sampler_logps, x.advantages, keep, cap), keep
+
+
+def test_the_package_registers_the_ladder_drpo_and_the_relaxed_clip():
+    assert tuple(TRUST_REGIONS) == LADDER
+    assert [name for name, method in TRUST_REGIONS.items() if method.recomputes_anchor] == ["minirl"]
+
+
+def test_the_readme_table_is_the_registry():
+    readme = (REPO / "README.md").read_text()
+    section = re.split(r"\n##+ ", readme.split("\n### Trust regions\n", 1)[1])[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+
+    def row(name, method):
+        settings = ", ".join(f"`{setting}`" for setting in method.settings) or "none"
+        return f"| `{name}` | `{method.equation}` | {settings} |"
+
+    assert rows == [row(name, method) for name, method in TRUST_REGIONS.items()]
+
+
+def test_the_config_help_lists_every_method_with_its_equation():
+    help_text = DPPOConfig.__dataclass_fields__["trust_region"].metadata["help"]
+    for name, method in TRUST_REGIONS.items():
+        assert f"'{name}': {method.equation}" in help_text
+
+
+def test_an_unknown_trust_region_is_refused_at_config_time_listing_the_registered_ones(tmp_path):
+    with pytest.raises(ValueError, match=re.escape(", ".join(LADDER))):
+        DPPOConfig(output_dir=str(tmp_path), trust_region="ppo", **COMMON)
+
+
+def test_each_method_reads_its_settings_from_the_config_fields_of_the_same_names(tmp_path):
+    config = DPPOConfig(
+        output_dir=str(tmp_path), trust_region="relaxed_clip", epsilon=0.1, relaxed_clip_below=0.3, **COMMON
+    )
+    assert config.trust_region_settings() == {"epsilon_low": 0.1, "epsilon_high": 0.1, "relaxed_clip_below": 0.3}
+    config = DPPOConfig(output_dir=str(tmp_path), delta_low=0.1, delta_high=0.2, ratio_cap=None, **COMMON)
+    assert config.trust_region_settings() == {"delta_low": 0.1, "delta_high": 0.2, "ratio_cap": None}
+
+
+@pytest.mark.parametrize("alpha", [0.0, -0.1, 1.5])
+def test_relaxed_clip_below_is_a_probability(tmp_path, alpha):
+    with pytest.raises(ValueError, match="relaxed_clip_below must be in \\(0, 1\\]"):
+        DPPOConfig(output_dir=str(tmp_path), trust_region="relaxed_clip", relaxed_clip_below=alpha, **COMMON)
+
+
+def test_settings_must_be_keyword_only_and_names_unique(registry):
+    with pytest.raises(TypeError, match="keyword-only"):
+        register_trust_region("positional", equation="w = A")(lambda x, delta: (x.advantages, x.advantages > 0))
+    with pytest.raises(ValueError, match="already registered"):
+        register_trust_region("dppo", equation="w = A")(lambda x: (x.advantages, x.advantages > 0))
+
+
+def test_a_setting_with_neither_a_field_nor_a_default_fails_at_config_time(registry, tmp_path):
+    register_trust_region("needs_beta2", equation="w = A")(lambda x, *, beta2: (x.advantages, x.advantages > 0))
+    with pytest.raises(ValueError, match="needs the setting 'beta2'.*give the parameter `beta2`.*a default"):
+        DPPOConfig(output_dir=str(tmp_path), trust_region="needs_beta2", **COMMON)
+
+
+def test_the_command_line_accepts_a_method_registered_after_import(registry, tmp_path):
+    register_clip_lower()
+    (config,) = HfArgumentParser(DPPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--report_to", "none", "--bf16", "False", "--trust_region", "clip_lower"]
+    )
+    assert config.trust_region == "clip_lower"
+    assert config.trust_region_settings() == {"epsilon_low": 0.2, "cap": 10.0}
+
+
+def test_a_method_registered_outside_the_package_trains_through_the_trainer(
+    registry, tmp_path, tiny_model_dir, prompts, tokenizer
+):
+    register_clip_lower()
+    trainer = make_trainer(
+        tmp_path,
+        tiny_model_dir,
+        prompts,
+        tokenizer,
+        trust_region="clip_lower",
+        epsilon=0.1,
+        max_steps=2,
+        steps_per_generation=2,  # the second step is off-policy, so ratios move away from 1
+    )
+    seen = []
+    set_weights = trainer._set_trust_region_advantages
+
+    def spy(context, trainer_logps, hidden):
+        advantages = context.inputs["advantages"].unsqueeze(1)
+        set_weights(context, trainer_logps, hidden)
+        seen.append((context.inputs, trainer_logps, advantages))
+
+    trainer._set_trust_region_advantages = spy
+    trainer.train()
+    assert len(seen) == 2
+    for inputs, trainer_logps, advantages in seen:
+        mask = inputs["completion_mask"].bool()
+        sampler_logps = torch.where(mask, inputs["sampling_per_token_logps"], trainer_logps)
+        ratio = torch.exp(trainer_logps - sampler_logps)
+        keep = ~((advantages < 0) & (ratio < 0.9))  # epsilon_low = epsilon = 0.1
+        torch.testing.assert_close(inputs["advantages"], keep * ratio.clamp(max=10.0) * advantages * mask)
