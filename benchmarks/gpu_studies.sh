@@ -2,7 +2,7 @@
 # The rare-token study (benchmarks/rare_tokens.py) and the convergence study (benchmarks/convergence.py) as one
 # prepared GPU script, each with `--profile gpu`: vLLM colocate serving in bf16 against an fp32 trainer, as
 # benchmarks/gpu_stability.sh runs, with 4 prompts x 8 completions per step (16 prompts per generation batch).
-#  1. Rare tokens: GRPO Clip-Higher, relaxed clip (alpha 0.1) and DPPO binary TV, 40 steps, seeds 0-2.
+#  1. Rare tokens: GRPO Clip-Higher, relaxed clip (alpha 0.1) and DPPO binary TV, 32 steps, seeds 0-2.
 #  2. Convergence: a fixed set of 64 problems the base model solves at least once in 16 samples (chosen here, from 128
 #     candidates, with the GPU sampler), then PG-IS, GRPO at mu, MiniRL and DPPO binary TV for 64 steps (4 epochs).
 # Offline: the model is the embedded SmolLM2-135M-Instruct (converted from the package's GGUF). Each part has a time
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 python -c "import torch; assert torch.cuda.is_available(), 'gpu_studies.sh needs a CUDA GPU'"
 export HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-timeout "${RARE_TOKENS_S:-270}" python benchmarks/rare_tokens.py --profile gpu --steps 40 --seeds 0 1 2 ||
+timeout "${RARE_TOKENS_S:-270}" python benchmarks/rare_tokens.py --profile gpu --steps 32 --seeds 0 1 2 ||
     echo "rare tokens: stopped at its time limit; the report shows the runs that finished"
 python benchmarks/rare_tokens.py --profile gpu --report-only
 

@@ -13,10 +13,10 @@ steps 2-4 of a batch are off-policy and a ratio clip can bind:
 The rest is the main job's (SmolLM2-135M-Instruct, LoRA r=16, 8 completions of one prompt per step, temperature 1,
 transformers generation in fp32 on the CPU, so mu is exact) with lr 5e-4 (the stability study's) and replies cut at
 16 tokens (only the opening matters). The decisive measure, pre-registered in results/rare_tokens/README.md: the
-first step at which the reward, averaged over 3 generation batches, reaches 0.5, per seed.
+mean reward over the first 6 generation batches (steps 1-21), per seed.
 
     python benchmarks/rare_tokens.py --measure                    # the starting distribution (a few minutes)
-    python benchmarks/rare_tokens.py --steps 40 --seeds 0 1 2     # the study (see the README for the time)
+    python benchmarks/rare_tokens.py --steps 32 --seeds 0 1 2     # the study (see the README for the time)
     python benchmarks/rare_tokens.py --report-only                # redraw from the logs
     python benchmarks/rare_tokens.py --smoke                      # 4 steps per method into runs/smoke/
 
@@ -33,7 +33,7 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from curves import fmt, levels_reached, load_runs, mean_of, plot_metric, steps_to_level
+from curves import fmt, levels_reached, load_runs, mean_of, plot_metric
 from harness import ROOT
 from stability import ENV, RUNS, run_logged
 
@@ -63,7 +63,9 @@ PROFILES: dict[str, list[str]] = {
     ],
 }  # fmt: skip
 LEVELS = (0.25, 0.5, 0.75)
-DECISIVE_LEVEL = 0.5
+# The decisive measure: mean reward over the first generation batches (the area under the early learning curve). In
+# pilots the marker was learned within 4-5 batches, so steps to a level move in whole batches of 4 steps.
+DECISIVE_BATCHES = 6
 RARE = MU_BUCKETS[:3]  # the buckets with mu < 0.1: "<0.001", "0.001-0.01", "0.01-0.1"
 
 
@@ -112,20 +114,18 @@ def report(out: Path) -> str:
     plot_metric(runs, "entropy", out / "entropy.png", "Policy entropy", "mean token entropy (nats)")
     common = [b for b in MU_BUCKETS if b not in RARE]
     lines = [
-        "| method | seeds | reward, first 3 batches | "
-        + " | ".join(f"step to {level}" + (" (decisive)" if level == DECISIVE_LEVEL else "") for level in LEVELS)
+        f"| method | seeds | reward, first {DECISIVE_BATCHES} batches (decisive) | "
+        + " | ".join(f"step to {level}" for level in LEVELS)
         + " | reward, last 3 batches | blocked, mu < 0.1 | blocked, mu >= 0.1 | entropy, last 3 steps | s/run |",
         "|---|---|---|" + "---|" * len(LEVELS) + "---|---|---|---|---|",
     ]
     for method, logs in runs.items():
-        decisive = [steps_to_level(log, DECISIVE_LEVEL) for log in logs]
-        reached = [s for s in decisive if s is not None]
-        median = f"; median {statistics.median(reached):g}" if len(reached) == len(logs) else ""
-        cells = [levels_reached(logs, level) + (median if level == DECISIVE_LEVEL else "") for level in LEVELS]
+        early = [mean_of(log, "reward", first=DECISIVE_BATCHES) for log in logs]
         last = [mean_of(log, "reward", last=3) for log in logs]
         lines.append(
-            f"| {method} | {len(logs)} | {fmt(statistics.fmean(mean_of(log, 'reward', first=3) for log in logs))} | "
-            f"{' | '.join(cells)} | {fmt(statistics.fmean(last))} ({', '.join(fmt(v, '.2f') for v in last)}) | "
+            f"| {method} | {len(logs)} | {fmt(statistics.fmean(early))} ({', '.join(fmt(v, '.3f') for v in early)}) | "
+            f"{' | '.join(levels_reached(logs, level, window=1) for level in LEVELS)} | "
+            f"{fmt(statistics.fmean(last))} ({', '.join(fmt(v, '.2f') for v in last)}) | "
             f"{fmt(blocked_fraction(logs, RARE), '.4f')} | {fmt(blocked_fraction(logs, tuple(common)), '.4f')} | "
             f"{fmt(statistics.fmean(mean_of(log, 'entropy', last=3) for log in logs), '.3f')} | "
             f"{statistics.fmean(r['runtime_s'] for r in meta[method]):.0f} |"
@@ -137,8 +137,8 @@ def report(out: Path) -> str:
         "README.md.\n\n"
         + "\n".join(lines)
         + "\n\nReward: fraction of a generation batch's replies (4 prompts x 8 completions) that open with the "
-        "marker. Step to level: first step at which the 3-batch moving average of the reward reaches the level, per "
-        "seed. Blocked: tokens the trust region gave no gradient (clip or mask), over all steps and seeds, as a "
+        f"marker, logged every 4th step; first {DECISIVE_BATCHES} batches: its mean over steps 1-{4 * DECISIVE_BATCHES - 3}, "
+        "per seed in brackets. Step to level: first step whose generation batch reaches the level, per seed. Blocked: tokens the trust region gave no gradient (clip or mask), over all steps and seeds, as a "
         "fraction of the tokens the sampler drew with mu < 0.1 / mu >= 0.1 (`tokens_by_mu` metrics)."
         f"\n\nCommands (run from the repository root, env {ENV}):\n\n```\n{commands}\n```\n"
     )
@@ -231,7 +231,7 @@ def measure_start(out: Path, num_prompts: int = 64, sampled_prompts: int = 16, s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--profile", choices=list(PROFILES), default="cpu")

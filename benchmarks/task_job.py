@@ -44,7 +44,7 @@ from trl_dppo.scripts.dppo_math_lora import cli_defaults  # noqa: E402
 
 
 # The reply's opening the rare-token reward asks for; its starting rate is in results/rare_tokens/start.md
-RARE_MARKER = "The"
+RARE_MARKER = "This"
 RARE_PROMPTS = dict(num_examples=2000, seed=0)  # the main job's prompts
 
 
