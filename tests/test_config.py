@@ -42,6 +42,7 @@ def test_defaults(make_config):
     assert config.delta == config.delta_low == config.delta_high == 0.15
     assert config.topk == 20
     assert config.ratio_cap == 10.0
+    assert (config.trust_region, config.relaxed_clip_below, config.log_tokens_by_mu) == ("dppo", 0.1, False)
     assert config.vllm_importance_sampling_correction is False
     assert config.loss_type == "dapo" == GRPOConfig.loss_type
     assert config.importance_sampling_level == "token"

@@ -47,7 +47,8 @@ def test_the_package_registers_the_ladder_drpo_and_the_relaxed_clip():
 def test_the_readme_table_is_the_registry():
     readme = (REPO / "README.md").read_text()
     section = re.split(r"\n##+ ", readme.split("\n### Trust regions\n", 1)[1])[0]
-    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    header, *rows = [line for line in section.splitlines() if line.startswith("| `")]
+    assert header == "| `trust_region` | w_t | settings |"
 
     def row(name, method):
         settings = ", ".join(f"`{setting}`" for setting in method.settings) or "none"
