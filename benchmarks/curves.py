@@ -36,13 +36,19 @@ KEPT_METRICS = (
     "trust_region/masked_fraction",
     "diagnostics/bad_update_fraction",
 )
+# Per-bucket token counts by the sampler's probability (`log_tokens_by_mu`): where a trust region blocks
+KEPT_PREFIXES = ("tokens_by_mu/",)
 
 Log = Sequence[Mapping[str, Any]]
 
 
 def trim(log_history: Log) -> list[dict[str, Any]]:
-    """The training-step entries of a Trainer log history (those with a loss), with only `KEPT_METRICS`."""
-    return [{k: e[k] for k in KEPT_METRICS if k in e} for e in log_history if "loss" in e]
+    """The training-step entries of a Trainer log history (those with a loss), with only the kept metrics."""
+    return [
+        {k: v for k, v in e.items() if k in KEPT_METRICS or k.startswith(KEPT_PREFIXES)}
+        for e in log_history
+        if "loss" in e
+    ]
 
 
 def mean_of(log: Log, key: str, first: int | None = None, last: int | None = None) -> float | None:
@@ -121,3 +127,10 @@ def load_runs(directory: Path) -> dict[str, list[dict[str, Any]]]:
 
 def fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
+
+
+def levels_reached(logs: Sequence[Log], level: float, window: int = 3) -> str:
+    """How many runs reach `level` (see `steps_to_level`) and at which step each: "2/3 seeds (12, 20, never)"."""
+    steps = [steps_to_level(log, level, window) for log in logs]
+    shown = ", ".join("never" if s is None else str(s) for s in steps)
+    return f"{sum(s is not None for s in steps)}/{len(logs)} seeds ({shown})"

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from curves import fmt, load_runs, mean_of, plot_metric, save_run, steps_to_level
+from curves import fmt, levels_reached, load_runs, mean_of, plot_metric, save_run
 from harness import ROOT, SMOLLM2, run_trial
 
 
@@ -81,11 +81,7 @@ def report() -> str:
         "|---|---|---|---|" + "---|" * len(LEVELS) + "---|",
     ]
     for name, logs in runs.items():
-        reached = []
-        for level in LEVELS:
-            steps = [steps_to_level(log, level) for log in logs]
-            shown = ", ".join("never" if s is None else str(s) for s in steps)
-            reached.append(f"{sum(s is not None for s in steps)}/{len(logs)} seeds ({shown})")
+        reached = [levels_reached(logs, level) for level in LEVELS]
         first = statistics.fmean(mean_of(log, "reward", first=3) for log in logs)
         last = [mean_of(log, "reward", last=3) for log in logs]
         lines.append(

@@ -85,10 +85,18 @@ def command(profile: str, model: str | None, method: str, steps: int, seed: int)
 
 def run(profile: str, model: str | None, method: str, steps: int, seed: int) -> None:
     log_path = out_dir(profile) / "logs" / f"{method}-seed{seed}.json"
+    run_logged(command(profile, model, method, steps, seed), log_path, f"{method} seed {seed}", seed)
+
+
+def run_logged(cmd: list[str], log_path: Path, label: str, seed: int) -> None:
+    """Run one training command unless `log_path` exists; keep its trimmed log, command and runtime there.
+
+    `cmd` starts with "python" (this interpreter runs it) and ends with the run's output_dir, relative to the
+    repository root; the full output stays there, its console log beside it (`<output_dir>.log`).
+    """
     if log_path.exists():
-        print(f"{method} seed {seed}: logged already ({log_path})", flush=True)
+        print(f"{label}: logged already ({log_path})", flush=True)
         return
-    cmd = command(profile, model, method, steps, seed)
     run_dir = ROOT / cmd[-1]
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -97,10 +105,10 @@ def run(profile: str, model: str | None, method: str, steps: int, seed: int) -> 
             [sys.executable, *cmd[1:]], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **ENV}
         )
     if proc.returncode != 0:
-        raise RuntimeError(f"{method} seed {seed} failed; see {run_dir.with_suffix('.log')}")
+        raise RuntimeError(f"{label} failed; see {run_dir.with_suffix('.log')}")
     history = load_log_history(run_dir)
     save_run(log_path, history, command=shlex.join(cmd), seed=seed, runtime_s=round(time.time() - started))
-    print(f"{method} seed {seed}: {time.time() - started:.0f} s", flush=True)
+    print(f"{label}: {time.time() - started:.0f} s", flush=True)
 
 
 def at_sync(log: list[dict]) -> list[dict]:
