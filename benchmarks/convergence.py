@@ -57,7 +57,7 @@ def select(out: Path, profile: str, candidates: int, keep: int, max_tokens: int)
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from trl_dppo.default_model import DEFAULT_MODEL, resolve_model
+    from trl_dppo.jobs.default_model import DEFAULT_MODEL, resolve_model
 
     started = time.time()
     dataset = arithmetic_dataset(candidates, seed=SELECTION_SEED)

@@ -156,7 +156,7 @@ def measure_start(out: Path, num_prompts: int = 64, sampled_prompts: int = 16, s
     from task_job import RARE_MARKER, RARE_PROMPTS, arithmetic_dataset, completion_text, marker_reward
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_dppo.default_model import DEFAULT_MODEL, resolve_model
+    from trl_dppo.jobs.default_model import DEFAULT_MODEL, resolve_model
 
     torch.manual_seed(0)
     path = resolve_model(DEFAULT_MODEL)

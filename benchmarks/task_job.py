@@ -31,16 +31,14 @@ from datasets import Dataset  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config  # noqa: E402
 
 from trl_dppo import DPPOConfig, DPPOTrainer  # noqa: E402
-
-# The main job's pieces (one place, for when they move)
-from trl_dppo.arithmetic import arithmetic_dataset, exact_answer_reward  # noqa: E402
-from trl_dppo.script_utils import (  # noqa: E402
+from trl_dppo.jobs.arithmetic import arithmetic_dataset, exact_answer_reward  # noqa: E402
+from trl_dppo.jobs.dppo_math_lora import cli_defaults  # noqa: E402
+from trl_dppo.jobs.script_utils import (  # noqa: E402
     parse_with_defaults,
     resolve_offline_default,
     set_model_init_kwargs,
     train_and_report,
 )
-from trl_dppo.scripts.dppo_math_lora import cli_defaults  # noqa: E402
 
 
 # The reply's opening the rare-token reward asks for; its starting rate is in results/rare_tokens/start.md
