@@ -124,9 +124,9 @@ def report(out: Path, batches_per_epoch: int) -> str:
     selection = json.loads((out / "train_set.json").read_text())["selection"]
     plot_metric(
         runs, "reward", out / "accuracy.png",
-        f"Training accuracy on a fixed set of {selection['kept']} solvable problems (bf16 vLLM sampler, fp32 trainer, "
+        f"Training accuracy on {selection['kept']} fixed solvable problems\n(bf16 vLLM sampler, fp32 trainer, "
         "4 steps per generation, lr 5e-4)",
-        f"exact-answer accuracy (moving average over one epoch, {batches_per_epoch} batches)", window=batches_per_epoch,
+        f"accuracy (moving avg., {batches_per_epoch} batches = 1 epoch)", window=batches_per_epoch,
     )  # fmt: skip
     plot_metric(
         {m: [at_sync(log) for log in logs] for m, logs in runs.items()}, "mismatch/kl_mean", out / "mismatch.png",

@@ -103,13 +103,13 @@ def report(out: Path) -> str:
     runs = {m: [r["log"] for r in meta[m]] for m in METHODS if m in meta}
     plot_metric(
         runs, "reward", out / "reward.png",
-        "Rare-token task: reward = reply opens with the rare marker (4 steps per generation batch)",
+        "Rare-token task: reward = the reply opens with the rare marker\n(4 optimizer steps per generation batch)",
         "reward (3-batch moving average)", window=3,
     )  # fmt: skip
     plot_metric(
         {m: [rare_blocked_series(log) for log in logs] for m, logs in runs.items()}, "rare_blocked",
         out / "rare_blocked.png", "Tokens with sampler probability mu < 0.1 that the trust region blocked",
-        "fraction of the step's mu < 0.1 tokens (4-step moving average)", window=4,
+        "fraction of mu < 0.1 tokens (4-step avg.)", window=4,
     )  # fmt: skip
     plot_metric(runs, "entropy", out / "entropy.png", "Policy entropy", "mean token entropy (nats)")
     common = [b for b in MU_BUCKETS if b not in RARE]
