@@ -134,3 +134,9 @@ def levels_reached(logs: Sequence[Log], level: float, window: int = 3) -> str:
     steps = [steps_to_level(log, level, window) for log in logs]
     shown = ", ".join("never" if s is None else str(s) for s in steps)
     return f"{sum(s is not None for s in steps)}/{len(logs)} seeds ({shown})"
+
+
+def commands_section(meta: Mapping[str, Sequence[dict]], env: Mapping[str, str]) -> str:
+    """The results.md footer: every logged run's exact command, with the environment the study ran them in."""
+    commands = "\n".join(run["command"] for runs in meta.values() for run in runs)
+    return f"\n\nCommands (run from the repository root, env {env}):\n\n```\n{commands}\n```\n"
