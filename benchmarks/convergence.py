@@ -163,8 +163,7 @@ def report(out: Path, batches_per_epoch: int) -> str:
         f"(the whole set once, 8 samples per problem). Fell away: last epoch at least {FELL_AWAY} below the best. KL: "
         "mean binary KL between the sampler's and the trainer's probability of each sampled token at the first step "
         "after each sync (vLLM's bf16 against the fp32 trainer). Bad-update fraction: tokens with A < 0 and "
-        "mu - pi >= 0.5 (the paper's RQ3)."
-        + commands_section(meta, ENV)
+        "mu - pi >= 0.5 (the paper's RQ3)." + commands_section(meta, ENV)
     )
     (out / "results.md").write_text(text)
     return text
