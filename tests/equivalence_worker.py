@@ -126,6 +126,9 @@ def main(batch_file: str, out_file: str) -> None:
     }
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, out_file)
+    if torch.distributed.is_initialized():  # else gloo can abort at exit after a good run (pytorch/pytorch#190489)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from ..trainer import DPPOTrainer
 from .arithmetic import arithmetic_dataset, exact_answer_reward
 from .script_utils import (
     COMMON_DEFAULTS,
+    close_process_group,
     device_defaults,
     parse_with_defaults,
     quantization_config_for,
@@ -119,7 +120,9 @@ def cli_defaults() -> dict:
 
 def cli(argv: Sequence[str] | None = None) -> dict | None:
     """Parse TRL-style arguments (``--config`` YAML included) over the job's defaults, and train."""
-    return main(*parse_with_defaults(make_parser(), cli_defaults(), argv))
+    summary = main(*parse_with_defaults(make_parser(), cli_defaults(), argv))
+    close_process_group()
+    return summary
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from .default_model import DEFAULT_MODEL, resolve_model
 
 __all__ = [
     "COMMON_DEFAULTS",
+    "close_process_group",
     "device_defaults",
     "format_summary",
     "parse_with_defaults",
@@ -213,6 +214,19 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         return f"{value:.4f}" if isinstance(value, float) else str(value)
 
     return "\n".join(f"  {key}: {fmt(value)}" for key, value in summary.items())
+
+
+def close_process_group() -> None:
+    """End torch.distributed's default group, if this process has one, once every process got here.
+
+    A job launched with `accelerate launch` ends with this: a gloo process that exits with its group alive can abort at
+    interpreter shutdown ("terminate called without an active exception", pytorch/pytorch#190489) after a run that
+    succeeded, and the launcher then reports the whole run as failed. Called only after a successful run: destroying
+    the group while another process is still inside a collective would hang instead.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def train_and_report(
