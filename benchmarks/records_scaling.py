@@ -2,7 +2,7 @@
 
 Part 1, the record path: synthetic backend output, no model. vLLM-shaped: the nested lists `VLLMGeneration.generate`
 returns (per sequence, per token, K or K + 1 log-probs and ids sorted by rank, or one with `logprobs=0`).
-transformers-shaped: the recorder's per-step tensors. For each size and mode (binary; top-K, K = 20), in one process:
+transformers-shaped: the recorder's buffers after `generate()`. For each size and mode (binary; top-K, K = 20), in one process:
 
 - TRL: GRPOTrainer's own handling. vLLM: `GRPOTrainer._generate_single_turn` itself, called on a stub trainer with a
   stub backend (it keeps entry 0 of each token), then the padding into `sampling_per_token_logps` (the two statements
@@ -12,8 +12,9 @@ transformers-shaped: the recorder's per-step tensors. For each size and mode (bi
   (`record_vllm_logprobs`) or `SamplerLogprobRecorder.finish`, the same GRPOTrainer code, then
   `SamplerRecords.batch_tensors`.
 
-Time: best of `--repeats` runs, alternating TRL and DPPO. Memory: peak of Python allocations (tracemalloc, which also
-sees numpy's) during the path, plus the bytes of the tensors it leaves (the store and the batch tensors), per token.
+Time: best of `--repeats` runs, alternating TRL and DPPO. Memory, per token: the resident memory's high-water mark
+during the path above where it started (Linux's VmHWM, reset before the path: Python, numpy and torch alike), plus the
+records that exist before it (the recorder's buffers); and the bytes the batch tensors keep.
 
 Part 2, the recorder in real generation: `generate()` on SmolLM2-135M (the offline default model) at batch 64 x 256
 new tokens, with no recorder, the binary recorder and the top-K recorder, interleaved, `--model-repeats` times each.
@@ -24,13 +25,14 @@ new tokens, with no recorder, the binary recorder and the top-K recorder, interl
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import random
+import re
 import statistics
 import sys
 import time
-import tracemalloc
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -42,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trl import GRPOTrainer  # noqa: E402
 from trl.trainer.utils import pad  # noqa: E402
 
-from trl_dppo.records import SamplerRecords  # noqa: E402
+from trl_dppo.records import SamplerRecords, kept_sets  # noqa: E402
 from trl_dppo.rollout import SamplerLogprobRecorder, record_vllm_logprobs, recording_generate  # noqa: E402
 
 
@@ -82,18 +84,19 @@ def vllm_output(tokens: int, topk: int, seed: int = 0):
     return [[1, 2, 3]] * len(completion_ids), completion_ids, logprobs, token_ids
 
 
-def recorder_steps(tokens: int, topk: int, seed: int = 0):
-    """The per-step tensors a `SamplerLogprobRecorder` holds after `generate()`, and the completions."""
+def recorder_buffers(tokens: int, topk: int, seed: int = 0):
+    """The buffers a `SamplerLogprobRecorder` holds after `generate()` (`(batch, steps, ...)`), and the completions."""
     gen = torch.Generator().manual_seed(seed)
     batch = tokens // SEQ_LEN
-    steps = {"sampled": [], "base": [], "top_ids": [], "top_logps": []}
-    for _ in range(SEQ_LEN):
-        steps["sampled"].append(-torch.rand(batch, generator=gen) * 3)
-        if topk:
-            steps["top_ids"].append(torch.randint(VOCAB, (batch, topk), generator=gen, dtype=torch.int32))
-            steps["top_logps"].append(-torch.rand(batch, topk, generator=gen).sort(-1).values * 8)
-    completion_ids = torch.randint(VOCAB, (batch, SEQ_LEN), generator=gen).tolist()
-    return steps, completion_ids
+    completion = torch.randint(VOCAB, (batch, SEQ_LEN), generator=gen)
+    buffers = {"sampled": -torch.rand(batch, SEQ_LEN, generator=gen) * 3}
+    if topk:
+        top_ids = torch.randint(VOCAB, (batch, SEQ_LEN, topk), generator=gen, dtype=torch.int32)
+        in_top = torch.rand(batch, SEQ_LEN, generator=gen) < 0.8  # the sampled token is usually among the top K
+        top_ids[..., 0] = torch.where(in_top, completion.int(), top_ids[..., 0])
+        top_logps = -torch.rand(batch, SEQ_LEN, topk, generator=gen).sort(-1).values * 8
+        buffers["kept_ids"], buffers["kept_logps"] = kept_sets(top_ids, top_logps, completion, buffers["sampled"])
+    return buffers, completion.tolist()
 
 
 # ------------------------------------------------------------------------------------------------- the paths
@@ -125,7 +128,7 @@ def trl_vllm(data, topk):
     output, completions = data
     stub = stub_trainer(lambda **kwargs: output)
     _, logprobs = GRPOTrainer._generate_single_turn(stub, output[0], None, {}, 1)
-    return [trl_padding(logprobs)], []
+    return [trl_padding(logprobs)]
 
 
 def fresh_vllm_lists(data, topk):
@@ -139,9 +142,8 @@ def to_batch(records, logprobs, completions):
     sampling = trl_padding(logprobs)
     if records.needed:
         records.rollout_logprobs = logprobs
-    store = [*records._kept_ids, *records._kept_logps, *records._sampled, *records._base]
     batch = records.batch_tensors(completions, sampling)
-    return [sampling, *batch.values()], store
+    return [sampling, *batch.values()]
 
 
 def dppo_vllm(data, topk):
@@ -153,21 +155,32 @@ def dppo_vllm(data, topk):
 
 
 def trl_transformers(data, topk):
-    (steps, completion_ids), completions = data
-    sampled = torch.stack(steps["sampled"], 1)
-    return [trl_padding(sampled.tolist())], []
+    (buffers, completion_ids), completions = data
+    return [trl_padding(buffers["sampled"].tolist())]
 
 
 def dppo_transformers(data, topk):
-    (steps, completion_ids), completions = data
+    (buffers, completion_ids), completions = data
     recorder = SamplerLogprobRecorder(topk)
-    recorder._steps = {key: list(value) for key, value in steps.items()}
+    recorder._buffers, recorder.steps = dict(buffers), buffers["sampled"].size(1)
     records = SamplerRecords(topk=topk)
     logprobs = recorder.finish(completion_ids, records)
     return to_batch(records, logprobs, completions)
 
 
-def measure(path, prepare, data, topk):
+LIBC = ctypes.CDLL("libc.so.6")
+
+
+def resident_kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
+
+
+def measure(path, prepare, data, topk, held: int):
+    """Seconds, peak bytes and batch bytes of one run of `path`.
+
+    Peak: the process's resident memory at its highest during the path (Linux's high-water mark, reset just before)
+    above what it was before, plus `held`, the bytes of records that exist before the path (the recorder's buffers).
+    """
     data = prepare(data, topk)
     gc.collect()
     start = time.perf_counter()
@@ -175,14 +188,13 @@ def measure(path, prepare, data, topk):
     seconds = time.perf_counter() - start
     data = prepare(data, topk)
     gc.collect()
-    tracemalloc.start()
-    kept, store = path(data, topk)
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    kept_bytes = sum(t.numel() * t.element_size() for t in kept)
-    store_bytes = sum(t.numel() * t.element_size() for t in store if t is not None)
-    # the store lives until the batch tensors are built, then is dropped
-    return seconds, peak + kept_bytes + store_bytes, kept_bytes
+    LIBC.malloc_trim(0)  # free heap memory goes back to the system, so the path's allocations show as new pages
+    before = resident_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+    kept = path(data, topk)
+    peak = (resident_kib("VmHWM") - before) * 1024 + held
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+    return seconds, peak, sum(storages.values())
 
 
 def same(data, topk):
@@ -193,17 +205,23 @@ def scaling(sizes: list[int], repeats: int) -> list[dict]:
     rows = []
     for backend, make, trl_path, dppo_path, fresh in (
         ("vllm", vllm_output, trl_vllm, dppo_vllm, fresh_vllm_lists),
-        ("transformers", recorder_steps, trl_transformers, dppo_transformers, same),
+        ("transformers", recorder_buffers, trl_transformers, dppo_transformers, same),
     ):
         for topk in (0, 20):
             for tokens in sizes:
                 raw = make(tokens, topk)
                 data = (raw, completion_tensor(raw[1]))
+                # transformers: the recorder's buffers exist before the path; TRL would hold the sampled floats only
+                buffers = raw[0] if backend == "transformers" else {}
+                held = {
+                    "trl": sum(t.nbytes for k, t in buffers.items() if k == "sampled"),
+                    "dppo": sum(t.nbytes for t in buffers.values()),
+                }
                 times = {"trl": [], "dppo": []}
                 memory, kept = {}, {}
                 for _ in range(repeats):
                     for name, path, prepare in (("trl", trl_path, same), ("dppo", dppo_path, fresh)):
-                        seconds, memory[name], kept[name] = measure(path, prepare, data, topk)
+                        seconds, memory[name], kept[name] = measure(path, prepare, data, topk, held[name])
                         times[name].append(seconds)
                 row = {
                     "backend": backend,
@@ -294,8 +312,9 @@ def write(rows, generation, out: Path, command: str) -> None:
         "",
         f"    {command}",
         "",
-        "Peak: Python allocations at their peak (tracemalloc) plus the tensors alive at the end of the path (DPPO:",
-        "the store and the batch tensors). Batch: the tensors the batch keeps afterwards.",
+        "Peak: the resident memory's high-water mark during the path above where it started, plus the records",
+        "that exist before it (transformers: the recorder's buffers; TRL's side, the sampled floats alone). Batch:",
+        "the tensors the batch keeps afterwards (each storage once).",
         "",
         "| backend | mode | tokens | TRL s | DPPO s | time ratio | TRL peak B/token | DPPO peak B/token "
         "| extra peak B/token | extra batch B/token |",

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from trl_dppo.records import VOID_ID, SamplerRecords, tag_logps, tagged_rows
+from trl_dppo.records import VOID_ID, SamplerRecords, kept_sets, tag_logps, tagged_rows
 
 
 # float32 values that must survive tagging bit for bit, as TRL turns the floats into `sampling_per_token_logps`
@@ -42,16 +42,26 @@ def test_tags_survive_pickling_to_another_process():
     assert out.stdout.decode().strip() == str([struct.pack("<d", x).hex() for x in tagged])
 
 
+def test_kept_sets_add_the_sampled_token_only_when_outside_the_top_k():
+    ids, logps = kept_sets(
+        torch.tensor([[4, 9], [4, 9]]), torch.tensor([[-0.5, -2.0], [-0.5, -2.0]]), torch.tensor([9, 5]),
+        torch.tensor([-2.0, -6.5]),
+    )  # fmt: skip
+    assert ids.dtype == torch.int32 and logps.dtype == torch.float32
+    assert ids.tolist() == [[4, 9, VOID_ID], [4, 9, 5]]
+    assert logps.tolist() == [[-0.5, -2.0, -math.inf], [-0.5, -2.0, -6.5]]
+
+
 def test_rows_follow_tokens_through_tool_stitching_and_truncation():
     """TRL stitches `logprobs[i] += [0.0] * tool_len + post_tool` and truncates with slices."""
     store = SamplerRecords(topk=2)
-    first = store.add(
-        torch.tensor([-0.1, -0.2, -0.3]),
-        torch.tensor([[1, 2], [3, 4], [5, 6]]),
-        torch.tensor([[-0.1, -2.0], [-0.5, -0.6], [-1.0, -1.1]]),
-    ).tolist()
-    post_tool = store.add(torch.tensor([-0.7, -0.8]), torch.tensor([[7, 8], [9, 10]]), torch.full((2, 2), -0.9))
-    rows = [first[:2] + [0.0, 0.0] + post_tool.tolist()[:1], first[2:]]
+    first = store.add(  # a generation call of two sequences, padded to the longer one
+        torch.tensor([[-0.1, -0.2], [-0.3, math.nan]]),
+        torch.tensor([[[1, 2, VOID_ID], [3, 4, VOID_ID]], [[5, 6, VOID_ID], [VOID_ID] * 3]]),
+        torch.tensor([[[-0.1, -2.0, -math.inf], [-0.5, -0.6, -math.inf]], [[-1.0, -1.1, -math.inf], [-math.inf] * 3]]),
+    )
+    post_tool = store.add(torch.tensor([[-0.7]]), torch.tensor([[[7, 8, 42]]]), torch.tensor([[[-0.9, -0.9, -0.7]]]))
+    rows = [first[0].tolist() + [0.0, 0.0] + post_tool[0].tolist(), first[1].tolist()[:1]]
     store.rollout_logprobs = rows
     completion_ids = torch.tensor([[1, 3, 100, 101, 42, 0], [6, 0, 0, 0, 0, 0]])
     sampling = torch.nn.utils.rnn.pad_sequence([trl_float32(r) for r in rows], batch_first=True)
@@ -59,22 +69,37 @@ def test_rows_follow_tokens_through_tool_stitching_and_truncation():
     batch = store.batch_tensors(completion_ids, sampling)
     ids, logps = batch["sampler_kept_ids"], batch["sampler_kept_logps"]
     assert ids.shape == (2, 6, 3) and ids.dtype == torch.int32 and logps.dtype == torch.float32
-    assert ids[0, :, :2].tolist() == [[1, 2], [3, 4], [VOID_ID] * 2, [VOID_ID] * 2, [7, 8], [VOID_ID] * 2]
-    # the sampled token takes the last slot only when outside the top K
-    assert ids[0, :, 2].tolist() == [VOID_ID, VOID_ID, VOID_ID, VOID_ID, 42, VOID_ID]
-    assert logps[0, 4, 2].item() == sampling[0, 4].item() and logps[0, 0, 2].item() == -math.inf
+    empty = [VOID_ID] * 3
+    assert ids[0].tolist() == [[1, 2, VOID_ID], [3, 4, VOID_ID], empty, empty, [7, 8, 42], empty]
+    assert logps[0, 4].tolist() == [-0.8999999761581421, -0.8999999761581421, -0.699999988079071]
+    assert logps[0, 2].tolist() == [-math.inf] * 3  # a tool-result token has no kept set
     assert ids[1, 0].tolist() == [5, 6, VOID_ID] and (ids[1, 1:] == VOID_ID).all()
     assert "sampler_base_logps" not in batch
 
 
-def test_base_logps_are_kept_only_when_recorded_and_fill_the_sampled_slot():
+def test_one_generation_call_without_tool_calls_is_its_own_batch_no_copy():
+    """The usual case: the batch tensors are the store's memory, so top-K costs (K + 1) x 8 bytes per token once."""
     store = SamplerRecords(topk=1)
-    tagged = store.add(torch.tensor([-0.5]), torch.tensor([[3]]), torch.tensor([[-0.2]]), torch.tensor([-0.9]))
-    store.rollout_logprobs = [tagged.tolist()]
+    kept_ids = torch.tensor([[[3, VOID_ID], [4, 8]], [[5, VOID_ID], [1, 1]]], dtype=torch.int32)
+    kept_logps = torch.tensor([[[-0.1, -math.inf], [-0.2, -3.0]], [[-0.3, -math.inf], [-9.0, -9.0]]])
+    tagged = store.add(torch.tensor([[-0.1, -3.0], [-0.3, -9.0]]), kept_ids, kept_logps)
+    store.rollout_logprobs = [tagged[0].tolist(), tagged[1].tolist()[:1]]  # the second completion ended early
+    batch = store.batch_tensors(torch.tensor([[3, 8], [5, 0]]), torch.tensor([[-0.1, -3.0], [-0.3, 0.0]]))
+    assert batch["sampler_kept_ids"].data_ptr() == kept_ids.data_ptr()
+    assert batch["sampler_kept_logps"].data_ptr() == kept_logps.data_ptr()
+    assert batch["sampler_kept_ids"].tolist() == [[[3, VOID_ID], [4, 8]], [[5, VOID_ID], [VOID_ID, VOID_ID]]]
+    assert batch["sampler_kept_logps"][1, 1].tolist() == [-math.inf, -math.inf]  # padding has no kept set
+
+
+def test_base_logps_are_kept_only_when_recorded():
+    store = SamplerRecords(topk=1)
+    tagged = store.add(
+        torch.tensor([[-0.5]]), torch.tensor([[[3, 7]]]), torch.tensor([[[-0.2, -0.9]]]), torch.tensor([[-0.9]])
+    )
+    store.rollout_logprobs = tagged.tolist()
     batch = store.batch_tensors(torch.tensor([[7]]), torch.tensor([[-0.5]]))
     assert batch["sampler_base_logps"].tolist() == [[-0.8999999761581421]]
     assert batch["sampler_kept_ids"].tolist() == [[[3, 7]]]
-    assert batch["sampler_kept_logps"][0, 0, 1].item() == batch["sampler_base_logps"][0, 0].item()
 
 
 def test_binary_records_without_base_need_nothing_beyond_the_float():

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 
-__all__ = ["ROW_BITS", "VOID_ID", "SamplerRecords", "tag_logps", "tagged_rows"]
+__all__ = ["ROW_BITS", "VOID_ID", "SamplerRecords", "kept_sets", "tag_logps", "tagged_rows"]
 
 # A kept-set slot with no token (the sampled token is already among the top K, or the token has no record)
 VOID_ID = -1
@@ -38,9 +38,12 @@ def tag_logps(logps: torch.Tensor, first_row: int) -> torch.Tensor:
     """float32 log-probabilities `(N,)` as float64 values carrying rows `first_row .. first_row + N - 1`."""
     if first_row + logps.numel() >= _ROW_MASK:
         raise RuntimeError(f"More than {_ROW_MASK - 1} sampled tokens in one generation batch cannot be tagged.")
-    values = logps.detach().to(device="cpu", dtype=torch.float32).double()
-    bits = values.view(torch.int64) | torch.arange(first_row + 1, first_row + 1 + values.numel(), dtype=torch.int64)
-    return torch.where(torch.isinf(values), values, bits.view(torch.float64))
+    logps = logps.detach().to(device="cpu", dtype=torch.float32)
+    values = logps.double()
+    values.view(torch.int64).bitwise_or_(torch.arange(first_row + 1, first_row + 1 + values.numel()))
+    infinite = torch.isinf(logps)
+    values[infinite] = logps[infinite].double()
+    return values
 
 
 def tagged_rows(logprobs: list[list[float]], length: int) -> torch.Tensor:
@@ -52,59 +55,90 @@ def tagged_rows(logprobs: list[list[float]], length: int) -> torch.Tensor:
     except TypeError:  # vLLM reports a NaN log-prob as None; it carries no row
         flat = itertools.chain.from_iterable(logprobs)
         values = np.fromiter((math.nan if v is None else v for v in flat), dtype=np.float64, count=count)
+    tagged = torch.from_numpy(values).view(torch.int64)
+    tagged.bitwise_and_(_ROW_MASK).sub_(1)
     rows = torch.full((len(logprobs), length), -1, dtype=torch.long)
-    rows[torch.arange(length) < lengths[:, None]] = (torch.from_numpy(values).view(torch.int64) & _ROW_MASK) - 1
+    rows[torch.arange(length) < lengths[:, None]] = tagged
     return rows
+
+
+def kept_sets(
+    top_ids: torch.Tensor, top_logps: torch.Tensor, sampled_ids: torch.Tensor, sampled_logps: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler's kept sets `(..., K + 1)`: its top K `(..., K)`, then the sampled token `(...)` when outside them.
+
+    The last slot is empty (id `VOID_ID`, log-prob -inf) when the sampled token is among the top K. Ids are int32 and
+    log-probabilities float32, on the inputs' device.
+    """
+    outside = ~(top_ids == sampled_ids[..., None]).any(-1)
+    last_id = torch.where(outside, sampled_ids.to(torch.int32), VOID_ID)
+    last_logp = torch.where(outside, sampled_logps.float(), -math.inf)
+    ids = torch.cat([top_ids.to(torch.int32), last_id[..., None]], dim=-1)
+    return ids, torch.cat([top_logps.float(), last_logp[..., None]], dim=-1)
+
+
+@dataclass
+class _Block:
+    """One backend call's records, laid out `(sequences, L, ...)` like a padded batch: row = first_row + s * L + t."""
+
+    first_row: int
+    sampled: torch.Tensor  # (S, L) float32
+    kept_ids: torch.Tensor | None  # (S, L, K + 1) int32
+    kept_logps: torch.Tensor | None  # (S, L, K + 1) float32
+    base: torch.Tensor | None  # (S, L) float32
 
 
 @dataclass
 class SamplerRecords:
     """What the sampler recorded for the tokens of one generation batch, beyond the float TRL keeps.
 
-    Rows are appended per backend call (`add`) and read back per batch token through the tags (`batch_tensors`).
+    Each backend call adds one block laid out like a padded batch `(sequences, L)` (`add`); the rows of its tokens are
+    read back per batch token through the tags (`batch_tensors`). Per token, a block holds:
 
-    - `kept_ids` / `kept_logps` `(N, K + 1)`: the sampler's K most likely tokens and their log-probabilities (top-K
-      only), and a last slot left empty, filled per batch token with the sampled token when outside the top K;
-    - `base_logps` `(N,)`: log mu_base of the sampled token, log_softmax(logits / T) before any truncation or
-      penalty, stored only when the sampler's chain did more than temperature (the trainer's pi is that
-      distribution, so the divergence compares like with like). The top-K is then taken under mu_base too.
+    - `kept_ids` / `kept_logps` `(K + 1)`: the sampler's kept set (`kept_sets`): its K most likely tokens and their
+      log-probabilities, then the sampled token when outside them (top-K only);
+    - `base`: log mu_base of the sampled token, log_softmax(logits / T) before any truncation or penalty, stored only
+      when the sampler's chain did more than temperature (the trainer's pi is that distribution, so the divergence
+      compares like with like). The top-K is then taken under mu_base too.
 
+    When the batch is exactly one block in its own layout (one generation call, no tool calls: the usual case), the
+    batch tensors are views of the block, so the records cost (K + 1) x 8 bytes per token once, not twice.
     `rollout_logprobs` holds GRPOTrainer's float lists after its tool-call stitching, for `batch_tensors`.
     """
 
     topk: int = 0
     rows: int = 0
-    _sampled: list[torch.Tensor] = field(default_factory=list)
-    _kept_ids: list[torch.Tensor] = field(default_factory=list)
-    _kept_logps: list[torch.Tensor] = field(default_factory=list)
-    _base: list[torch.Tensor | None] = field(default_factory=list)
+    _blocks: list[_Block] = field(default_factory=list)
     rollout_logprobs: list[list[float]] | None = None
 
     def add(
         self,
         sampled_logps: torch.Tensor,
-        top_ids: torch.Tensor | None = None,
-        top_logps: torch.Tensor | None = None,
+        kept_ids: torch.Tensor | None = None,
+        kept_logps: torch.Tensor | None = None,
         base_logps: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Store one backend call's records `(N, ...)`; returns the sampled log-probabilities tagged with rows."""
-        tagged = tag_logps(sampled_logps, self.rows)
-        self._sampled.append(sampled_logps.detach().float().cpu())
-        if self.topk:
-            n = sampled_logps.numel()
-            ids = torch.full((n, self.topk + 1), VOID_ID, dtype=torch.int32)
-            ids[:, : self.topk] = top_ids
-            logps = torch.full((n, self.topk + 1), -math.inf)
-            logps[:, : self.topk] = top_logps
-            self._kept_ids.append(ids)
-            self._kept_logps.append(logps)
-        self._base.append(None if base_logps is None else base_logps.detach().float().cpu())
+        """Store one backend call's records, `(S, L)` per token (padded positions are never read back); returns the
+        sampled log-probabilities `(S, L)` tagged with their rows."""
+        if self.topk and (kept_ids is None or kept_ids.shape != (*sampled_logps.shape, self.topk + 1)):
+            raise ValueError(f"Top-{self.topk} records need kept sets of shape {(*sampled_logps.shape, self.topk + 1)}.")
+        tagged = tag_logps(sampled_logps.reshape(-1), self.rows).view(sampled_logps.shape)
+        cpu = {"device": "cpu"}
+        self._blocks.append(
+            _Block(
+                self.rows,
+                sampled_logps.detach().to(**cpu, dtype=torch.float32),
+                None if kept_ids is None else kept_ids.to(**cpu, dtype=torch.int32),
+                None if kept_logps is None else kept_logps.to(**cpu, dtype=torch.float32),
+                None if base_logps is None else base_logps.detach().to(**cpu, dtype=torch.float32),
+            )
+        )
         self.rows += sampled_logps.numel()
         return tagged
 
     @property
     def has_base(self) -> bool:
-        return any(b is not None for b in self._base)
+        return any(b.base is not None for b in self._blocks)
 
     @property
     def needed(self) -> bool:
@@ -112,51 +146,71 @@ class SamplerRecords:
         return bool(self.topk) or self.has_base
 
     def batch_tensors(self, completion_ids: torch.Tensor, sampling_logps: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The batch keys for the trainer, aligned with `completion_ids` `(B, T)`.
+        """The batch keys for the trainer, aligned with `completion_ids` `(B, T)`; consumes the store.
 
-        `sampler_kept_ids` `(B, T, K + 1)` int32 and `sampler_kept_logps` `(B, T, K + 1)` float32: the top-K, then the
-        sampled token when it is not among them (else an empty slot, id -1 and log-prob -inf); `sampler_base_logps`
-        `(B, T)` when mu_base was recorded. Tokens without a row (tool results, padding) get empty slots.
+        `sampler_kept_ids` `(B, T, K + 1)` int32 and `sampler_kept_logps` `(B, T, K + 1)` float32: the kept sets;
+        `sampler_base_logps` `(B, T)` when mu_base was recorded. Tokens without a row (tool results, padding) get empty
+        kept sets, and their own `sampling_logps` as base.
         """
         if not self.needed:
             return {}
-        device = completion_ids.device
+        B, T = completion_ids.shape
         if self.rows:  # else a custom rollout produced the batch: its floats carry no rows
             if self.rollout_logprobs is None:
                 raise RuntimeError("The generation batch's log-probability lists were not kept; `_generate` does.")
-            rows = tagged_rows(self.rollout_logprobs, completion_ids.size(1))
+            rows = tagged_rows(self.rollout_logprobs, T)
             if rows.max().item() >= self.rows:
                 raise RuntimeError("A log-probability carries a row this generation batch never recorded.")
         else:
-            rows = torch.full(completion_ids.shape, -1, dtype=torch.long)
-        has_row = rows >= 0
-        index = rows.clamp_min(0)
+            rows = torch.full((B, T), -1, dtype=torch.long)
+        no_row = rows < 0
+        block = self._blocks[0] if len(self._blocks) == 1 else None
+        if block is not None and _is_block_layout(rows, no_row, block):
+
+            def take(key: str) -> torch.Tensor:  # a view of the block: no copy
+                return getattr(block, key)[:, :T]
+
+        else:
+            index = rows.clamp_min(0).view(-1)
+
+            def take(key: str) -> torch.Tensor:
+                values = _concat(self._blocks, key)
+                return values[index].view(B, T, *values.shape[1:])
+
         out = {}
         if self.has_base:
-            base = _concat([s if b is None else b for s, b in zip(self._sampled, self._base, strict=True)])[index]
-            base = torch.where(has_row, base, sampling_logps.cpu())
-            out["sampler_base_logps"] = base.to(device)
-            sampled_logps = base
-        else:
-            sampled_logps = sampling_logps.cpu()
+            base = take("base")
+            out["sampler_base_logps"] = torch.where(no_row, sampling_logps.cpu(), base)
         if self.topk:
-            if self.rows:  # each part of the store is released once gathered: it is not read again
-                ids = _concat(self._kept_ids)[index]
-                self._kept_ids.clear()
-                logps = _concat(self._kept_logps)[index]
-                self._kept_logps.clear()
-            else:
-                ids = torch.empty(*rows.shape, self.topk + 1, dtype=torch.int32)
-                logps = torch.empty(*rows.shape, self.topk + 1)
-            ids.masked_fill_(~has_row[..., None], VOID_ID)
-            logps.masked_fill_(~has_row[..., None], -math.inf)
-            tokens = completion_ids.cpu()
-            extra = ~(ids[..., : self.topk] == tokens[..., None]).any(-1) & has_row
-            ids[..., self.topk][extra] = tokens[extra].int()
-            logps[..., self.topk][extra] = sampled_logps.float()[extra]
-            out["sampler_kept_ids"], out["sampler_kept_logps"] = ids.to(device), logps.to(device)
-        return out
+            ids, logps = take("kept_ids"), take("kept_logps")
+            if no_row.any():
+                ids.masked_fill_(no_row[..., None], VOID_ID)
+                logps.masked_fill_(no_row[..., None], -math.inf)
+            out["sampler_kept_ids"], out["sampler_kept_logps"] = ids, logps
+        self._blocks.clear()
+        return {key: value.to(completion_ids.device) for key, value in out.items()}
 
 
-def _concat(chunks: list[torch.Tensor]) -> torch.Tensor:
-    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+def _is_block_layout(rows: torch.Tensor, no_row: torch.Tensor, block: _Block) -> bool:
+    """Whether batch token (b, t) has row first_row + b * L + t wherever it has one (one call, no tool calls)."""
+    S, L = block.sampled.shape
+    B, T = rows.shape
+    if S != B or T > L:
+        return False
+    # In place on `rows` and undone after: no (B, T) int64 transient beside the store
+    offsets = block.first_row + torch.arange(B)[:, None] * L
+    rows.sub_(offsets).sub_(torch.arange(T))
+    aligned = bool(((rows == 0) | no_row).all())
+    rows.add_(torch.arange(T)).add_(offsets)
+    return aligned
+
+
+def _concat(blocks: list[_Block], key: str) -> torch.Tensor:
+    """The blocks' `key` records, one per row `(rows, ...)`; a block without base records gives its sampled ones."""
+    parts = []
+    for block in blocks:
+        value = getattr(block, key)
+        if value is None:  # only `base` can be missing from some blocks
+            value = block.sampled
+        parts.append(value.reshape(-1, *value.shape[2:]))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

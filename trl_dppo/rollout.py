@@ -28,7 +28,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper
 
-from .records import VOID_ID, SamplerRecords
+from .records import VOID_ID, SamplerRecords, kept_sets
 
 
 __all__ = [
@@ -93,23 +93,30 @@ class _Hook(LogitsProcessor):
 class SamplerLogprobRecorder:
     """Records log mu of each token transformers samples (and the top-K, and log mu_base when needed) in `generate()`.
 
-    `processors(chain)` returns transformers' chain with a hook on each side: the last one reads the scores `_sample`
-    softmaxes, i.e. the sampling distribution after every processor and warper; the first one reads the raw logits and
-    is only added when the chain does more than divide by the trainer's temperature. A token is only known once
-    sampled, so a step's distributions wait (`(batch, vocab)` tensors) until the next step shows the sampled token;
-    `finish` resolves the last step. Memory is of order batch x vocabulary, plus the records themselves.
+    `processors(chain, max_steps)` returns transformers' chain with a hook on each side: the last one reads the scores
+    `_sample` softmaxes, i.e. the sampling distribution after every processor and warper; the first one reads the raw
+    logits and is only added when the chain does more than divide by the trainer's temperature. A token is only known
+    once sampled, so a step's scores wait until the next step shows the sampled token; `finish` resolves the last
+    step. The records go into buffers `(batch, max_steps, ...)` on the model's device, allocated at the first step, so
+    each step writes a column and `finish` hands them to the store without stacking.
     """
 
     def __init__(self, topk: int = 0, temperature: float = 1.0):
         self.topk = topk
         self.temperature = temperature
         self.with_base = False
-        self._raw: torch.Tensor | None = None
-        self._pending: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self._steps: dict[str, list[torch.Tensor]] = {"sampled": [], "base": [], "top_ids": [], "top_logps": []}
+        self.max_steps = 0
+        self.steps = 0
+        # A distribution is kept as its scores and their logsumexp: log p = score - logsumexp, read at the sampled
+        # token and the top K only, without writing a (batch, vocab) log_softmax per step
+        self._raw: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pending: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None] | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
 
-    def processors(self, chain: LogitsProcessorList) -> LogitsProcessorList:
-        """transformers' processor chain for one `generate()` call, with the recorder's hooks around it."""
+    def processors(self, chain: LogitsProcessorList, max_steps: int) -> LogitsProcessorList:
+        """transformers' processor chain for one `generate()` call of at most `max_steps` new tokens, with the
+        recorder's hooks around it."""
+        self.max_steps = max_steps
         self.with_base = any(
             not (isinstance(p, TemperatureLogitsWarper) and p.temperature == self.temperature) for p in chain
         )
@@ -120,54 +127,73 @@ class SamplerLogprobRecorder:
 
     def _read_raw(self, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
         self._resolve(input_ids[:, -1])
-        self._raw = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        scaled = logits.float() / self.temperature
+        self._raw = (scaled, scaled.logsumexp(-1, keepdim=True))
 
     def _read_processed(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
         self._resolve(input_ids[:, -1])
-        self._pending = (torch.log_softmax(scores.float(), dim=-1), self._raw)
+        if not self._buffers:
+            self._allocate(scores.size(0), scores.device)
+        scores = scores.float()  # `_sample` hands float32 scores: no copy, and nothing changes them after this hook
+        self._pending = ((scores, scores.logsumexp(-1, keepdim=True)), self._raw)
         self._raw = None
+
+    def _allocate(self, batch: int, device: torch.device) -> None:
+        shape = (batch, self.max_steps)
+        self._buffers["sampled"] = torch.empty(shape, device=device)
+        if self.with_base:
+            self._buffers["base"] = torch.empty(shape, device=device)
+        if self.topk:
+            self._buffers["kept_ids"] = torch.empty(*shape, self.topk + 1, dtype=torch.int32, device=device)
+            self._buffers["kept_logps"] = torch.empty(*shape, self.topk + 1, device=device)
 
     def _resolve(self, tokens: torch.Tensor) -> None:
         if self._pending is None:
             return
-        processed, base = self._pending
-        self._steps["sampled"].append(processed.gather(-1, tokens[:, None]).squeeze(-1))
+        if self.steps == self.max_steps:
+            raise RuntimeError(f"generate() sampled more than the {self.max_steps} new tokens it was configured for.")
+        (scores, lse), base = self._pending
+        step, at_token = self.steps, tokens[:, None]
+        sampled = (scores.gather(-1, at_token) - lse).squeeze(-1)
+        self._buffers["sampled"][:, step] = sampled
         if base is not None:
-            self._steps["base"].append(base.gather(-1, tokens[:, None]).squeeze(-1))
+            sampled_base = (base[0].gather(-1, at_token) - base[1]).squeeze(-1)
+            self._buffers["base"][:, step] = sampled_base
         if self.topk:  # the top-K the trainer's pi is compared with: under mu_base when it differs
-            top_logps, top_ids = (processed if base is None else base).topk(self.topk, dim=-1)
-            self._steps["top_ids"].append(top_ids.int())
-            self._steps["top_logps"].append(top_logps)
+            top_scores, top_ids = (scores if base is None else base[0]).topk(self.topk, dim=-1)
+            ids, logps = kept_sets(
+                top_ids, top_scores - (lse if base is None else base[1]), tokens, sampled if base is None else sampled_base
+            )
+            self._buffers["kept_ids"][:, step] = ids
+            self._buffers["kept_logps"][:, step] = logps
+        self.steps += 1
         self._pending = None
 
     def finish(self, completion_ids: list[list[int]], records: SamplerRecords) -> list[list[float]]:
-        """Resolve the last step, store the records of each completion (as truncated by the trainer) in `records`
-        and return the sampled log-probabilities per completion, tagged with their rows when the batch needs them."""
+        """Resolve the last step, store the records of each completion in `records` and return the sampled
+        log-probabilities per completion (as truncated by the trainer), tagged with their rows when the batch needs
+        them."""
         if self._pending is not None:
-            steps = len(self._steps["sampled"]) + 1
-            last = [ids[steps - 1] if len(ids) == steps else 0 for ids in completion_ids]
-            self._resolve(torch.tensor(last, device=self._pending[0].device))
-        lengths = [len(ids) for ids in completion_ids]
-        steps = len(self._steps["sampled"])
-        if steps == 0:
-            if any(lengths):
+            last = [ids[self.steps] if len(ids) > self.steps else 0 for ids in completion_ids]
+            self._resolve(torch.tensor(last, device=self._pending[0][0].device))
+        if self.steps == 0:
+            if any(completion_ids):
                 raise RuntimeError(
                     "generate() sampled tokens but the recorder saw no sampling step: its hooks were not in "
                     "transformers' processor chain."
                 )
             return [[] for _ in completion_ids]
-        kept = torch.arange(steps) < torch.tensor(lengths)[:, None]  # (B, steps), row-major = token order
-
-        def stacked(key: str) -> torch.Tensor | None:
-            return torch.stack(self._steps[key], dim=1).cpu()[kept] if self._steps[key] else None
-
-        sampled = stacked("sampled")
+        records_of = {key: buffer[:, : self.steps] for key, buffer in self._buffers.items()}
+        self._buffers = {}
         if self.topk or self.with_base:
-            values = records.add(sampled, stacked("top_ids"), stacked("top_logps"), stacked("base")).tolist()
+            values = records.add(
+                records_of["sampled"], records_of.get("kept_ids"), records_of.get("kept_logps"), records_of.get("base")
+            ).tolist()
         else:
-            values = sampled.tolist()
-        ends = list(itertools.accumulate(lengths))
-        return [values[end - length : end] for end, length in zip(ends, lengths, strict=True)]
+            values = records_of["sampled"].cpu().tolist()
+        for row, ids in zip(values, completion_ids, strict=True):
+            del row[len(ids) :]  # the steps after a completion ended (it is padded to the longest)
+        return values
 
 
 @contextmanager
@@ -192,7 +218,9 @@ def recording_generate(model: torch.nn.Module, recorder: SamplerLogprobRecorder)
     def get_logits_processor(*args, **kwargs):
         generation_config = kwargs["generation_config"] if "generation_config" in kwargs else args[0]
         check_recordable_sampling(generation_config)
-        return recorder.processors(original_chain(*args, **kwargs))
+        # generate() has set max_length to the prompt's length plus max_new_tokens when those are given
+        max_steps = generation_config.max_new_tokens or generation_config.max_length
+        return recorder.processors(original_chain(*args, **kwargs), max_steps)
 
     model.generate, generator._get_logits_processor = generate, get_logits_processor
     try:
@@ -214,30 +242,30 @@ def _flat_floats(nested: list, count: int) -> np.ndarray:
         return np.array([math.nan if v is None else v for v in chain(chain(nested))], dtype=np.float32)
 
 
-def _vllm_topk_arrays(completion_ids, logprobs, token_ids, topk: int) -> tuple[np.ndarray, ...]:
-    """Sampled log-probs `(N,)`, top-K ids `(N, K)` and log-probs `(N, K)` of a run of sequences of vLLM's output.
+def _vllm_kept_sets(completion_ids, logprobs, token_ids, topk: int) -> tuple[np.ndarray, ...]:
+    """Sampled log-probs `(N,)`, kept ids `(N, K + 1)` and log-probs `(N, K + 1)` of a run of vLLM's sequences.
 
-    vLLM lists each token's entries by rank, K or K + 1 of them (the sampled token is added when outside the top K).
+    vLLM lists each token's entries by rank: the top K, then the sampled token when outside them, which is the kept
+    set's own layout (`records.kept_sets`); each token's entries fill the first K or K + 1 slots of its row.
     """
     chain = itertools.chain.from_iterable
     n = sum(map(len, completion_ids))
     widths = np.fromiter(map(len, chain(token_ids)), dtype=np.int64, count=n)
+    if n and (widths.min() < topk or widths.max() > topk + 1):
+        raise RuntimeError(
+            f"vLLM listed {widths.min()} to {widths.max()} log-probabilities for a token; asked for logprobs={topk} it "
+            f"lists {topk}, or {topk + 1} when the sampled token is outside the top {topk}."
+        )
     total = int(widths.sum())
-    ids = np.fromiter(chain(chain(token_ids)), dtype=np.int32, count=total)
-    logps = _flat_floats(logprobs, total)
+    filled = np.arange(topk + 1) < widths[:, None]
+    ids = np.full((n, topk + 1), VOID_ID, dtype=np.int32)
+    ids[filled] = np.fromiter(chain(chain(token_ids)), dtype=np.int32, count=total)
+    logps = np.full((n, topk + 1), -np.inf, dtype=np.float32)
+    logps[filled] = _flat_floats(logprobs, total)
     tokens = np.fromiter(chain(completion_ids), dtype=np.int32, count=n)
-    starts = np.cumsum(widths) - widths
-    cols = np.arange(topk)
-    in_row = cols < widths[:, None]
-    index = np.minimum(starts[:, None] + cols, max(total - 1, 0))
-    top_ids = np.where(in_row, ids[index], np.int32(VOID_ID))
-    top_logps = np.where(in_row, logps[index], np.float32(-np.inf))
-    match = top_ids == tokens[:, None]
-    sampled = top_logps[np.arange(n), match.argmax(1)]
-    extra = np.minimum(starts + topk, max(total - 1, 0))  # the (K+1)-th entry, where vLLM added the sampled token
-    extra_match = (widths > topk) & (ids[extra] == tokens)
-    sampled = np.where(match.any(1), sampled, np.where(extra_match, logps[extra], np.float32(np.nan)))
-    return sampled, top_ids, top_logps
+    match = ids == tokens[:, None]
+    sampled = np.where(match.any(1), logps[np.arange(n), match.argmax(1)], np.float32(np.nan))
+    return sampled, ids, logps
 
 
 def record_vllm_logprobs(generate: Callable, topk: int = 0, records: Callable[[], SamplerRecords] | None = None):
@@ -245,8 +273,8 @@ def record_vllm_logprobs(generate: Callable, topk: int = 0, records: Callable[[]
 
     With `topk = 0` vLLM is asked for the sampled token's log-probability only (`logprobs=0`), which is already entry
     0: the output passes through untouched. With K > 0 vLLM lists each token's entries by rank and GRPOTrainer keeps
-    entry 0; the wrapper stores the top-K in `records()` (the generation batch's store) and puts the sampled token's
-    log-probability, tagged with its row, in entry 0.
+    entry 0; the wrapper stores the kept sets in `records()` (the generation batch's store), laid out like the padded
+    batch, and puts the sampled token's log-probability, tagged with its row, in entry 0.
     """
 
     @functools.wraps(generate)
@@ -258,21 +286,26 @@ def record_vllm_logprobs(generate: Callable, topk: int = 0, records: Callable[[]
             )
         if not topk:
             return prompt_ids, completion_ids, logprobs, logprob_token_ids
-        store = records()
+        lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.long)
+        shape = (len(completion_ids), int(lengths.max()) if len(lengths) else 0)
+        filled = torch.arange(shape[1]) < lengths[:, None]  # (sequences, L): the real tokens, in token order
+        sampled = torch.full(shape, math.nan)
+        kept_ids = torch.full((*shape, topk + 1), VOID_ID, dtype=torch.int32)
+        kept_logps = torch.full((*shape, topk + 1), -math.inf)
         start = 0
-        while start < len(completion_ids):
+        while start < len(completion_ids):  # a run of sequences at a time bounds the transient arrays
             end, tokens = start, 0
             while end < len(completion_ids) and (tokens < _VLLM_CHUNK_TOKENS or end == start):
                 tokens += len(completion_ids[end])
                 end += 1
-            sampled, top_ids, top_logps = _vllm_topk_arrays(
-                completion_ids[start:end], logprobs[start:end], logprob_token_ids[start:end], topk
-            )
-            tagged = store.add(torch.from_numpy(sampled), torch.from_numpy(top_ids), torch.from_numpy(top_logps))
-            # Entry 0 of vLLM's own per-token lists (made for this call) takes the record: no new list per token
-            for entry, value in zip(itertools.chain.from_iterable(logprobs[start:end]), tagged.tolist(), strict=True):
-                entry[0] = value
+            run = _vllm_kept_sets(completion_ids[start:end], logprobs[start:end], logprob_token_ids[start:end], topk)
+            for block, values in zip((sampled, kept_ids, kept_logps), run, strict=True):
+                block[start:end][filled[start:end]] = torch.from_numpy(values)
             start = end
+        tagged = records().add(sampled, kept_ids, kept_logps)[filled].tolist()
+        # Entry 0 of vLLM's own per-token lists (made for this call) takes the record: no new list per token
+        for entry, value in zip(itertools.chain.from_iterable(logprobs), tagged, strict=True):
+            entry[0] = value
         return prompt_ids, completion_ids, logprobs, logprob_token_ids
 
     return wrapped
