@@ -49,8 +49,8 @@ def versions() -> dict:
     for name in ("trl", "datasets", "peft", "pyarrow"):
         try:
             found[name] = __import__(name).__version__
-        except ImportError:
-            found[name] = None
+        except Exception as error:  # recorded: the parts that need it fail on their own
+            found[name] = f"{type(error).__name__}: {error}"
     found["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return found
 
