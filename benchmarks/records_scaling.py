@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trl import GRPOTrainer  # noqa: E402
 from trl.trainer.utils import pad  # noqa: E402
 
-from trl_dppo.records import SamplerRecords, kept_sets  # noqa: E402
+from trl_dppo.records import SamplerRecords  # noqa: E402
 from trl_dppo.rollout import SamplerLogprobRecorder, record_vllm_logprobs, recording_generate  # noqa: E402
 
 
@@ -95,7 +95,10 @@ def recorder_buffers(tokens: int, topk: int, seed: int = 0):
         in_top = torch.rand(batch, SEQ_LEN, generator=gen) < 0.8  # the sampled token is usually among the top K
         top_ids[..., 0] = torch.where(in_top, completion.int(), top_ids[..., 0])
         top_logps = -torch.rand(batch, SEQ_LEN, topk, generator=gen).sort(-1).values * 8
-        buffers["kept_ids"], buffers["kept_logps"] = kept_sets(top_ids, top_logps, completion, buffers["sampled"])
+        # what `generate()` leaves: the top K in the first K slots (the last is filled by `finish`), and the tokens
+        buffers["kept_ids"] = torch.cat([top_ids, torch.zeros(batch, SEQ_LEN, 1, dtype=torch.int32)], -1)
+        buffers["kept_logps"] = torch.cat([top_logps, torch.zeros(batch, SEQ_LEN, 1)], -1)
+        buffers["tokens"] = completion.int()
     return buffers, completion.tolist()
 
 
@@ -201,11 +204,17 @@ def same(data, topk):
     return data
 
 
+def fresh_buffers(data, topk):
+    """A recorder fills its buffers afresh in each `generate()`; `finish` completes the kept sets in place."""
+    (buffers, completion_ids), completions = data
+    return ({key: value.clone() for key, value in buffers.items()}, completion_ids), completions
+
+
 def scaling(sizes: list[int], repeats: int) -> list[dict]:
     rows = []
     for backend, make, trl_path, dppo_path, fresh in (
         ("vllm", vllm_output, trl_vllm, dppo_vllm, fresh_vllm_lists),
-        ("transformers", recorder_buffers, trl_transformers, dppo_transformers, same),
+        ("transformers", recorder_buffers, trl_transformers, dppo_transformers, fresh_buffers),
     ):
         for topk in (0, 20):
             for tokens in sizes:

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from trl_dppo.records import VOID_ID, SamplerRecords, kept_sets, tag_logps, tagged_rows
+from trl_dppo.records import VOID_ID, SamplerRecords, complete_kept_sets_, tag_logps, tagged_rows
 
 
 # float32 values that must survive tagging bit for bit, as TRL turns the floats into `sampling_per_token_logps`
@@ -42,12 +42,10 @@ def test_tags_survive_pickling_to_another_process():
     assert out.stdout.decode().strip() == str([struct.pack("<d", x).hex() for x in tagged])
 
 
-def test_kept_sets_add_the_sampled_token_only_when_outside_the_top_k():
-    ids, logps = kept_sets(
-        torch.tensor([[4, 9], [4, 9]]), torch.tensor([[-0.5, -2.0], [-0.5, -2.0]]), torch.tensor([9, 5]),
-        torch.tensor([-2.0, -6.5]),
-    )  # fmt: skip
-    assert ids.dtype == torch.int32 and logps.dtype == torch.float32
+def test_kept_sets_take_the_sampled_token_only_when_outside_the_top_k():
+    ids = torch.tensor([[4, 9, 0], [4, 9, 0]], dtype=torch.int32)
+    logps = torch.tensor([[-0.5, -2.0, 0.0], [-0.5, -2.0, 0.0]])
+    complete_kept_sets_(ids, logps, torch.tensor([9, 5], dtype=torch.int32), torch.tensor([-2.0, -6.5]))
     assert ids.tolist() == [[4, 9, VOID_ID], [4, 9, 5]]
     assert logps.tolist() == [[-0.5, -2.0, -math.inf], [-0.5, -2.0, -6.5]]
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 
-__all__ = ["ROW_BITS", "VOID_ID", "SamplerRecords", "kept_sets", "tag_logps", "tagged_rows"]
+__all__ = ["ROW_BITS", "VOID_ID", "SamplerRecords", "complete_kept_sets_", "tag_logps", "tagged_rows"]
 
 # A kept-set slot with no token (the sampled token is already among the top K, or the token has no record)
 VOID_ID = -1
@@ -62,19 +62,20 @@ def tagged_rows(logprobs: list[list[float]], length: int) -> torch.Tensor:
     return rows
 
 
-def kept_sets(
-    top_ids: torch.Tensor, top_logps: torch.Tensor, sampled_ids: torch.Tensor, sampled_logps: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sampler's kept sets `(..., K + 1)`: its top K `(..., K)`, then the sampled token `(...)` when outside them.
+def complete_kept_sets_(
+    kept_ids: torch.Tensor, kept_logps: torch.Tensor, sampled_ids: torch.Tensor, sampled_logps: torch.Tensor
+) -> None:
+    """Fill the last slot of kept sets `(..., K + 1)` whose first K slots hold the sampler's top K, in place.
 
-    The last slot is empty (id `VOID_ID`, log-prob -inf) when the sampled token is among the top K. Ids are int32 and
-    log-probabilities float32, on the inputs' device.
+    The last slot takes the sampled token `(...)` and its log-probability `(...)` when it is outside the top K, and is
+    left empty (id `VOID_ID`, log-prob -inf) when it is among them.
     """
-    outside = ~(top_ids == sampled_ids[..., None]).any(-1)
-    last_id = torch.where(outside, sampled_ids.to(torch.int32), VOID_ID)
-    last_logp = torch.where(outside, sampled_logps.float(), -math.inf)
-    ids = torch.cat([top_ids.to(torch.int32), last_id[..., None]], dim=-1)
-    return ids, torch.cat([top_logps.float(), last_logp[..., None]], dim=-1)
+    topk = kept_ids.size(-1) - 1
+    outside = torch.ones(sampled_ids.shape, dtype=torch.bool, device=sampled_ids.device)
+    for slot in range(topk):  # a column at a time: no (..., K) transient beside the records
+        outside &= kept_ids[..., slot] != sampled_ids
+    kept_ids[..., topk] = torch.where(outside, sampled_ids.to(kept_ids.dtype), VOID_ID)
+    kept_logps[..., topk] = torch.where(outside, sampled_logps.to(kept_logps.dtype), -math.inf)
 
 
 @dataclass
@@ -95,7 +96,7 @@ class SamplerRecords:
     Each backend call adds one block laid out like a padded batch `(sequences, L)` (`add`); the rows of its tokens are
     read back per batch token through the tags (`batch_tensors`). Per token, a block holds:
 
-    - `kept_ids` / `kept_logps` `(K + 1)`: the sampler's kept set (`kept_sets`): its K most likely tokens and their
+    - `kept_ids` / `kept_logps` `(K + 1)`: the sampler's kept set (`complete_kept_sets_`): its K most likely tokens and their
       log-probabilities, then the sampled token when outside them (top-K only);
     - `base`: log mu_base of the sampled token, log_softmax(logits / T) before any truncation or penalty, stored only
       when the sampler's chain did more than temperature (the trainer's pi is that distribution, so the divergence

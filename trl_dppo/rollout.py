@@ -28,7 +28,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper
 
-from .records import VOID_ID, SamplerRecords, kept_sets
+from .records import VOID_ID, SamplerRecords, complete_kept_sets_
 
 
 __all__ = [
@@ -146,6 +146,7 @@ class SamplerLogprobRecorder:
         if self.topk:
             self._buffers["kept_ids"] = torch.empty(*shape, self.topk + 1, dtype=torch.int32, device=device)
             self._buffers["kept_logps"] = torch.empty(*shape, self.topk + 1, device=device)
+            self._buffers["tokens"] = torch.empty(shape, dtype=torch.int32, device=device)
 
     def _resolve(self, tokens: torch.Tensor) -> None:
         if self._pending is None:
@@ -161,11 +162,9 @@ class SamplerLogprobRecorder:
             self._buffers["base"][:, step] = sampled_base
         if self.topk:  # the top-K the trainer's pi is compared with: under mu_base when it differs
             top_scores, top_ids = (scores if base is None else base[0]).topk(self.topk, dim=-1)
-            ids, logps = kept_sets(
-                top_ids, top_scores - (lse if base is None else base[1]), tokens, sampled if base is None else sampled_base
-            )
-            self._buffers["kept_ids"][:, step] = ids
-            self._buffers["kept_logps"][:, step] = logps
+            self._buffers["kept_ids"][:, step, :-1] = top_ids
+            self._buffers["kept_logps"][:, step, :-1] = top_scores - (lse if base is None else base[1])
+            self._buffers["tokens"][:, step] = tokens  # the last slot is filled once, in `finish`
         self.steps += 1
         self._pending = None
 
@@ -185,6 +184,10 @@ class SamplerLogprobRecorder:
             return [[] for _ in completion_ids]
         records_of = {key: buffer[:, : self.steps] for key, buffer in self._buffers.items()}
         self._buffers = {}
+        if self.topk:
+            sampled_ids = records_of.pop("tokens")
+            sampled = records_of.get("base", records_of["sampled"])
+            complete_kept_sets_(records_of["kept_ids"], records_of["kept_logps"], sampled_ids, sampled)
         if self.topk or self.with_base:
             values = records.add(
                 records_of["sampled"], records_of.get("kept_ids"), records_of.get("kept_logps"), records_of.get("base")
@@ -246,7 +249,7 @@ def _vllm_kept_sets(completion_ids, logprobs, token_ids, topk: int) -> tuple[np.
     """Sampled log-probs `(N,)`, kept ids `(N, K + 1)` and log-probs `(N, K + 1)` of a run of vLLM's sequences.
 
     vLLM lists each token's entries by rank: the top K, then the sampled token when outside them, which is the kept
-    set's own layout (`records.kept_sets`); each token's entries fill the first K or K + 1 slots of its row.
+    set's own layout (`records.complete_kept_sets_`); each token's entries fill the first K or K + 1 slots of its row.
     """
     chain = itertools.chain.from_iterable
     n = sum(map(len, completion_ids))
