@@ -2,8 +2,9 @@
 # The GPU checks that need no vLLM, in one go on one H200-class GPU, for a machine where neither vLLM (its wheel is
 # too large to carry) nor SmolLM2's weights can be had: the model is SmolLM2-135M's shape with random weights and an
 # untied LM head scaled 10x, so next-token distributions are peaked (mean top probability ~0.46; a near-uniform random
-# head would hide a misaligned mu), and SmolLM2's tokenizer. An estimate, not yet run: about 4-5 minutes on one H200,
-# at most 9 (each part has its own time limit; one part's failure leaves the others to run):
+# head would hide a misaligned mu), and SmolLM2's tokenizer. Run on one H200 on 2026-11-30: 317 s (results and reading
+# in benchmarks/results/gpu_transformers/); at most 9 minutes (each part has its own time limit; one part's failure
+# leaves the others to run):
 #  1. DPPOTrainer on CUDA with transformers generation (benchmarks/gpu_transformers.py alignment; ~1 min, limit
 #     150 s): 48 arithmetic prompts, 8 completions of 64 tokens, 4 steps per generation, 8 steps. At lr 0 in fp32 the
 #     trainer's pi equals the recorded mu (mismatch/abs_prob_diff_max and at_sync < 1e-3, expected ~1e-5), binary_tv

@@ -25,11 +25,13 @@ new tokens, with no recorder, the binary recorder and the top-K recorder, interl
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import gc
 import json
 import random
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -42,10 +44,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trl import GRPOTrainer  # noqa: E402
+from trl.generation.vllm_generation import extract_logprobs  # noqa: E402
 from trl.trainer.utils import pad  # noqa: E402
 
 from trl_dppo.records import SamplerRecords  # noqa: E402
-from trl_dppo.rollout import SamplerLogprobRecorder, record_vllm_logprobs, recording_generate  # noqa: E402
+from trl_dppo.rollout import (  # noqa: E402
+    SamplerLogprobRecorder,
+    record_vllm_flat_logprobs,
+    record_vllm_logprobs,
+    recording_generate,
+)
 
 
 VOCAB = 49152
@@ -82,6 +90,31 @@ def vllm_output(tokens: int, topk: int, seed: int = 0):
         logprobs.append(seq_lps)
         token_ids.append(seq_tids)
     return [[1, 2, 3]] * len(completion_ids), completion_ids, logprobs, token_ids
+
+
+def engine_outputs(lists, topk: int, flat: bool):
+    """The `RequestOutput`s a colocated `LLM.generate` returns for `vllm_output`'s tokens: vLLM's default per-token
+    dicts of `Logprob` (what TRL reads), or, `flat`, its `FlatLogprobs` (the sampled entry, then the top K)."""
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    _, completion_ids, logprobs, token_ids = lists
+    requests = []
+    for tokens, seq_lps, seq_tids in zip(completion_ids, logprobs, token_ids, strict=True):
+        entries = FlatLogprobs() if flat else []
+        for token, lps, tids in zip(tokens, seq_lps, seq_tids, strict=True):
+            rank = tids.index(token) + 1
+            if flat:
+                top = tids[:topk] if topk else []
+                ranks = iter([rank, *range(1, len(top) + 1)])
+                entries.append_fast([token, *top], [lps[rank - 1], *lps[: len(top)]], ranks, [None] * (len(top) + 1))
+            elif not topk:  # TRL's default request, logprobs=0: the sampled token alone
+                entries.append({token: Logprob(lps[rank - 1], rank=rank)})
+            else:  # vLLM puts the sampled token first; a dict keeps one entry per token
+                ranked = [(rank - 1, (token, lps[rank - 1])), *enumerate(zip(tids, lps, strict=True))]
+                entries.append({tid: Logprob(lp, rank=i + 1) for i, (tid, lp) in ranked})
+        output = SimpleNamespace(token_ids=tokens, logprobs=entries)
+        requests.append(SimpleNamespace(prompt_token_ids=[1, 2, 3], outputs=[output]))
+    return requests
 
 
 def recorder_buffers(tokens: int, topk: int, seed: int = 0):
@@ -157,6 +190,49 @@ def dppo_vllm(data, topk):
     return to_batch(records, logprobs, completions)
 
 
+def from_engine(request_outputs):
+    """What TRL's colocate `VLLMGeneration.generate` does with `LLM.generate`'s output (TRL 1.16, tp = 1)."""
+    prompt_ids = [request.prompt_token_ids for request in request_outputs]
+    completion_ids = [output.token_ids for request in request_outputs for output in request.outputs]
+    logprobs, token_ids = extract_logprobs(request_outputs)
+    return prompt_ids, completion_ids, logprobs, token_ids
+
+
+def trl_colocate(data, topk):
+    outputs, completions = data
+    stub = stub_trainer(lambda **kwargs: from_engine(outputs))
+    _, logprobs = GRPOTrainer._generate_single_turn(stub, [[1, 2, 3]] * len(outputs), None, {}, 1)
+    return [trl_padding(logprobs)]
+
+
+def fresh_flat_outputs(data, topk):
+    """vLLM makes its flat lists afresh for each call; DPPO's wrapper cuts them to the sampled entry."""
+    (trl_outputs, flat_outputs), completions = data
+    copies = []
+    for request in flat_outputs:
+        output = request.outputs[0]
+        entries = copy.copy(output.logprobs)
+        for name in ("start_indices", "end_indices", "token_ids", "logprobs", "ranks", "decoded_tokens"):
+            setattr(entries, name, list(getattr(entries, name)))
+        output = SimpleNamespace(token_ids=output.token_ids, logprobs=entries)
+        copies.append(SimpleNamespace(prompt_token_ids=request.prompt_token_ids, outputs=[output]))
+    return (trl_outputs, copies), completions
+
+
+def trl_colocate_of(data, topk):
+    (trl_outputs, _), completions = data
+    return trl_colocate((trl_outputs, completions), topk)
+
+
+def dppo_colocate(data, topk):
+    (_, flat_outputs), completions = data
+    records = SamplerRecords(topk=topk)
+    engine = record_vllm_flat_logprobs(lambda: flat_outputs, topk, lambda: records)
+    stub = stub_trainer(lambda **kwargs: from_engine(engine()))
+    completion_ids, logprobs = GRPOTrainer._generate_single_turn(stub, [[1, 2, 3]] * len(flat_outputs), None, {}, 1)
+    return to_batch(records, logprobs, completions)
+
+
 def trl_transformers(data, topk):
     (buffers, completion_ids), completions = data
     return [trl_padding(buffers["sampled"].tolist())]
@@ -184,17 +260,17 @@ def measure(path, prepare, data, topk, held: int):
     Peak: the process's resident memory at its highest during the path (Linux's high-water mark, reset just before)
     above what it was before, plus `held`, the bytes of records that exist before the path (the recorder's buffers).
     """
-    data = prepare(data, topk)
+    fresh = prepare(data, topk)
     gc.collect()
     start = time.perf_counter()
-    path(data, topk)
+    path(fresh, topk)
     seconds = time.perf_counter() - start
-    data = prepare(data, topk)
+    fresh = prepare(data, topk)  # from the untouched data: DPPO's paths write into vLLM's lists
     gc.collect()
     LIBC.malloc_trim(0)  # free heap memory goes back to the system, so the path's allocations show as new pages
     before = resident_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
-    kept = path(data, topk)
+    kept = path(fresh, topk)
     peak = (resident_kib("VmHWM") - before) * 1024 + held
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
     return seconds, peak, sum(storages.values())
@@ -210,53 +286,80 @@ def fresh_buffers(data, topk):
     return ({key: value.clone() for key, value in buffers.items()}, completion_ids), completions
 
 
-def scaling(sizes: list[int], repeats: int) -> list[dict]:
+def lists_data(tokens: int, topk: int):
+    output = vllm_output(tokens, topk)
+    return output, output[1]
+
+
+def colocate_data(tokens: int, topk: int, trl_topk: int):
+    """vLLM's output for the same tokens: as TRL would read it (asking for `trl_topk`), and flat for DPPO."""
+    lists = vllm_output(tokens, topk)
+    return (engine_outputs(lists, trl_topk, flat=False), engine_outputs(lists, topk, flat=True)), lists[1]
+
+
+def buffers_data(tokens: int, topk: int):
+    buffers, completion_ids = recorder_buffers(tokens, topk)
+    return (buffers, completion_ids), completion_ids
+
+
+# backend, mode, K, (tokens, K) -> (data, completion ids), TRL's path, DPPO's path, DPPO's fresh copy of the data
+CASES = [
+    ("vllm", "binary", 0, lists_data, trl_vllm, dppo_vllm, fresh_vllm_lists),
+    ("vllm", "top-20", 20, lists_data, trl_vllm, dppo_vllm, fresh_vllm_lists),
+    ("vllm colocate", "top-20", 20, lambda n, k: colocate_data(n, k, k), trl_colocate_of, dppo_colocate,
+     fresh_flat_outputs),
+    ("vllm colocate", "top-20 vs TRL logprobs=0", 20, lambda n, k: colocate_data(n, k, 0), trl_colocate_of,
+     dppo_colocate, fresh_flat_outputs),
+    ("transformers", "binary", 0, buffers_data, trl_transformers, dppo_transformers, fresh_buffers),
+    ("transformers", "top-20", 20, buffers_data, trl_transformers, dppo_transformers, fresh_buffers),
+]  # fmt: skip
+
+
+def scaling(sizes: list[int], repeats: int, backends: list[str]) -> list[dict]:
     rows = []
-    for backend, make, trl_path, dppo_path, fresh in (
-        ("vllm", vllm_output, trl_vllm, dppo_vllm, fresh_vllm_lists),
-        ("transformers", recorder_buffers, trl_transformers, dppo_transformers, fresh_buffers),
-    ):
-        for topk in (0, 20):
-            for tokens in sizes:
-                raw = make(tokens, topk)
-                data = (raw, completion_tensor(raw[1]))
-                # transformers: the recorder's buffers exist before the path; TRL would hold the sampled floats only
-                buffers = raw[0] if backend == "transformers" else {}
-                held = {
-                    "trl": sum(t.nbytes for k, t in buffers.items() if k == "sampled"),
-                    "dppo": sum(t.nbytes for t in buffers.values()),
-                }
-                times = {"trl": [], "dppo": []}
-                memory, kept = {}, {}
-                for _ in range(repeats):
-                    for name, path, prepare in (("trl", trl_path, same), ("dppo", dppo_path, fresh)):
-                        seconds, memory[name], kept[name] = measure(path, prepare, data, topk, held[name])
-                        times[name].append(seconds)
-                row = {
-                    "backend": backend,
-                    "mode": f"top-{topk}" if topk else "binary",
-                    "tokens": tokens,
-                    "trl_s": min(times["trl"]),
-                    "dppo_s": min(times["dppo"]),
-                    "trl_s_all": times["trl"],
-                    "dppo_s_all": times["dppo"],
-                    "trl_bytes_per_token": memory["trl"] / tokens,
-                    "dppo_bytes_per_token": memory["dppo"] / tokens,
-                    "trl_kept_bytes_per_token": kept["trl"] / tokens,
-                    "dppo_kept_bytes_per_token": kept["dppo"] / tokens,
-                }
-                row["time_ratio"] = row["dppo_s"] / row["trl_s"]
-                row["extra_bytes_per_token"] = row["dppo_bytes_per_token"] - row["trl_bytes_per_token"]
-                row["extra_kept_bytes_per_token"] = row["dppo_kept_bytes_per_token"] - row["trl_kept_bytes_per_token"]
-                rows.append(row)
-                print(
-                    f"{backend:12s} {row['mode']:7s} {tokens:>8d} tokens: TRL {row['trl_s']:.3f} s, DPPO "
-                    f"{row['dppo_s']:.3f} s ({row['time_ratio']:.2f}x); {row['trl_bytes_per_token']:.0f} vs "
-                    f"{row['dppo_bytes_per_token']:.0f} B/token peak ({row['extra_bytes_per_token']:+.0f}), batch "
-                    f"tensors {row['extra_kept_bytes_per_token']:+.0f} B/token",
-                    flush=True,
-                )
-                del data, raw
+    for backend, mode, topk, make, trl_path, dppo_path, fresh in CASES:
+        if backend not in backends:
+            continue
+        for tokens in sizes:
+            raw, completion_ids = make(tokens, topk)
+            data = (raw, completion_tensor(completion_ids))
+            # transformers: the recorder's buffers exist before the path; TRL would hold the sampled floats only
+            buffers = raw[0] if backend == "transformers" else {}
+            held = {
+                "trl": sum(t.nbytes for k, t in buffers.items() if k == "sampled"),
+                "dppo": sum(t.nbytes for t in buffers.values()),
+            }
+            times = {"trl": [], "dppo": []}
+            memory, kept = {}, {}
+            for _ in range(repeats):
+                for name, path, prepare in (("trl", trl_path, same), ("dppo", dppo_path, fresh)):
+                    seconds, memory[name], kept[name] = measure(path, prepare, data, topk, held[name])
+                    times[name].append(seconds)
+            row = {
+                "backend": backend,
+                "mode": mode,
+                "tokens": tokens,
+                "trl_s": min(times["trl"]),
+                "dppo_s": min(times["dppo"]),
+                "trl_s_all": times["trl"],
+                "dppo_s_all": times["dppo"],
+                "trl_bytes_per_token": memory["trl"] / tokens,
+                "dppo_bytes_per_token": memory["dppo"] / tokens,
+                "trl_kept_bytes_per_token": kept["trl"] / tokens,
+                "dppo_kept_bytes_per_token": kept["dppo"] / tokens,
+            }
+            row["time_ratio"] = row["dppo_s"] / row["trl_s"]
+            row["extra_bytes_per_token"] = row["dppo_bytes_per_token"] - row["trl_bytes_per_token"]
+            row["extra_kept_bytes_per_token"] = row["dppo_kept_bytes_per_token"] - row["trl_kept_bytes_per_token"]
+            rows.append(row)
+            print(
+                f"{backend:13s} {row['mode']:7s} {tokens:>8d} tokens: TRL {row['trl_s']:.3f} s, DPPO "
+                f"{row['dppo_s']:.3f} s ({row['time_ratio']:.2f}x); {row['trl_bytes_per_token']:.0f} vs "
+                f"{row['dppo_bytes_per_token']:.0f} B/token peak ({row['extra_bytes_per_token']:+.0f}), batch "
+                f"tensors {row['extra_kept_bytes_per_token']:+.0f} B/token",
+                flush=True,
+            )
+            del data, raw, completion_ids
     return rows
 
 
@@ -313,13 +416,14 @@ def generation_overhead(batch: int, new_tokens: int, repeats: int) -> dict:
 # ---------------------------------------------------------------------------------------------------- output
 
 
-def write(rows, generation, out: Path, command: str) -> None:
+def write(rows, generation, out: Path, commands: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"scaling": rows, "generation": generation}, indent=1))
+    results = {"scaling": rows, "generation": generation, "commands": commands}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
     lines = [
         "# Record path cost against GRPOTrainer's own handling of the same log-probabilities",
         "",
-        f"    {command}",
+        *(f"    {command}" for command in commands),
         "",
         "Peak: the resident memory's high-water mark during the path above where it started, plus the records",
         "that exist before it (transformers: the recorder's buffers; TRL's side, the sampled floats alone). Batch:",
@@ -349,16 +453,15 @@ def write(rows, generation, out: Path, command: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for backend, style in (("vllm", "-"), ("transformers", "--")):
-        for mode, color in (("binary", "tab:blue"), ("top-20", "tab:orange")):
-            sel = [r for r in rows if r["backend"] == backend and r["mode"] == mode]
-            if not sel:
-                continue
-            x = [r["tokens"] for r in sel]
-            axes[0].plot(x, [r["dppo_s"] for r in sel], style, color=color, marker="o", label=f"DPPO {backend} {mode}")
-            axes[0].plot(x, [r["trl_s"] for r in sel], style, color="gray", marker="x", alpha=0.6)
-            axes[1].plot(x, [r["dppo_bytes_per_token"] * r["tokens"] for r in sel], style, color=color, marker="o")
-            axes[1].plot(x, [r["trl_bytes_per_token"] * r["tokens"] for r in sel], style, color="gray", marker="x")
+    styles = {"vllm": "-", "vllm colocate": "-.", "transformers": "--"}
+    colors = {"binary": "tab:blue", "top-20": "tab:orange", "top-20 vs TRL logprobs=0": "tab:red"}
+    for backend, mode in dict.fromkeys((r["backend"], r["mode"]) for r in rows):
+        sel = [r for r in rows if r["backend"] == backend and r["mode"] == mode]
+        x, style, color = [r["tokens"] for r in sel], styles[backend], colors[mode]
+        axes[0].plot(x, [r["dppo_s"] for r in sel], style, color=color, marker="o", label=f"DPPO {backend} {mode}")
+        axes[0].plot(x, [r["trl_s"] for r in sel], style, color="gray", marker="x", alpha=0.6)
+        axes[1].plot(x, [r["dppo_bytes_per_token"] * r["tokens"] for r in sel], style, color=color, marker="o")
+        axes[1].plot(x, [r["trl_bytes_per_token"] * r["tokens"] for r in sel], style, color="gray", marker="x")
     xs = sorted({r["tokens"] for r in rows})
     for ax, label in ((axes[0], "seconds"), (axes[1], "peak bytes")):
         ax.set_xscale("log")
@@ -379,13 +482,22 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model-repeats", type=int, default=3, help="0 skips the SmolLM2 generation part")
+    backends = list(dict.fromkeys(case[0] for case in CASES))
+    parser.add_argument(
+        "--backends", nargs="+", choices=backends, default=backends,
+        help="a subset reruns those rows and keeps the others (and the generation part) of --out's results.json",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/records_scaling"))
     args = parser.parse_args()
-    command = "python benchmarks/records_scaling.py " + " ".join(sys.argv[1:])
-    rows = scaling(args.sizes, args.repeats)
-    write(rows, {}, args.out, command)  # the scaling results are kept even if the generation part is cut short
+    commands = ["python benchmarks/records_scaling.py " + shlex.join(sys.argv[1:])]
+    rows, generation = scaling(args.sizes, args.repeats, args.backends), {}
+    if args.backends != backends and (args.out / "results.json").exists():
+        kept = json.loads((args.out / "results.json").read_text())
+        rows = [r for r in kept["scaling"] if r["backend"] not in args.backends] + rows
+        generation, commands = kept["generation"], kept.get("commands", []) + commands
+    write(rows, generation, args.out, commands)  # the scaling results are kept even if the generation part is cut
     if args.model_repeats:
-        write(rows, generation_overhead(64, 256, args.model_repeats), args.out, command)
+        write(rows, generation_overhead(64, 256, args.model_repeats), args.out, commands)
 
 
 if __name__ == "__main__":

@@ -92,9 +92,45 @@ def test_topk_run_with_vllm(vllm_model_dir, prompts, tokenizer, tmp_path):
     seen = spy_on_trust_region(trainer)
     trainer.train()
     assert trainer.vllm_generation.logprobs == 5
+    assert trainer.vllm_generation.generation_kwargs["flat_logprobs"]  # the kept sets come from vLLM's flat output
     for _, _, mask, inputs in seen:
         ids = inputs["sampler_kept_ids"]
         assert ids.shape[-1] == 6
         assert ((ids == inputs["completion_ids"][..., None]).any(-1) | ~mask).all()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == 2 and all(entry["mismatch/abs_prob_diff_mean"] < 0.02 for entry in logs)
+
+
+def test_colocated_topk_records_come_from_vllms_flat_output():
+    """vLLM's flat log-probabilities list per token the sampled entry, then the top K (a duplicate when the sampled
+    token is among them); the wrapper stores the kept sets and leaves TRL's `extract_logprobs` one tagged entry."""
+    import math
+    from types import SimpleNamespace
+
+    from trl.generation.vllm_generation import extract_logprobs
+    from vllm.logprobs import FlatLogprobs
+
+    from trl_dppo.records import VOID_ID, SamplerRecords
+    from trl_dppo.rollout import record_vllm_flat_logprobs
+
+    def completion(*positions):
+        entries = FlatLogprobs()
+        for ids, logps, ranks in positions:
+            entries.append_fast(ids, logps, iter(ranks), [None] * len(ids))
+        return SimpleNamespace(token_ids=[ids[0] for ids, _, _ in positions], logprobs=entries)
+
+    outputs = [  # 13 sampled outside the top 2 (rank 3), 22 and 31 among them; vLLM's NaN stays NaN
+        SimpleNamespace(outputs=[completion(([13, 11, 12], [-5.0, -0.1, -2.0], [3, 1, 2]),
+                                            ([22, 21, 22], [-1.0, -0.5, -1.0], [2, 1, 2]))]),
+        SimpleNamespace(outputs=[completion(([31, 31, 32], [math.nan, math.nan, -0.25], [1, 1, 2]))]),
+    ]  # fmt: skip
+    store = SamplerRecords(topk=2)
+    extracted, token_ids = extract_logprobs(record_vllm_flat_logprobs(lambda: outputs, 2, lambda: store)())
+    assert token_ids == [[[13], [22]], [[31]]]
+    sampled = [[lp[0] for lp in seq] for seq in extracted]  # what GRPOTrainer keeps
+    assert sampled[0][0] == pytest.approx(-5.0) and sampled[0][1] == pytest.approx(-1.0) and sampled[1][0] is None
+    store.rollout_logprobs = sampled
+    batch = store.batch_tensors(torch.tensor([[13, 22], [31, 0]]), torch.tensor([[-5.0, -1.0], [math.nan, 0.0]]))
+    # TRL turns a NaN into None, which carries no row: that token (out of the loss anyway) has an empty kept set
+    assert batch["sampler_kept_ids"].tolist() == [[[11, 12, 13], [21, 22, VOID_ID]], [[VOID_ID] * 3] * 2]
+    assert batch["sampler_kept_logps"][0, 0].tolist() == [pytest.approx(-0.1), -2.0, -5.0]

@@ -122,7 +122,9 @@ class SamplerRecords:
         """Store one backend call's records, `(S, L)` per token (padded positions are never read back); returns the
         sampled log-probabilities `(S, L)` tagged with their rows."""
         if self.topk and (kept_ids is None or kept_ids.shape != (*sampled_logps.shape, self.topk + 1)):
-            raise ValueError(f"Top-{self.topk} records need kept sets of shape {(*sampled_logps.shape, self.topk + 1)}.")
+            raise ValueError(
+                f"Top-{self.topk} records need kept sets of shape {(*sampled_logps.shape, self.topk + 1)}."
+            )
         tagged = tag_logps(sampled_logps.reshape(-1), self.rows).view(sampled_logps.shape)
         cpu = {"device": "cpu"}
         self._blocks.append(

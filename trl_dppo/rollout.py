@@ -8,7 +8,9 @@ records mu on both generation backends of GRPOTrainer, without an extra forward 
   (`recording_generate`), so it reads exactly the scores `_sample` softmaxes and draws from, after every processor and
   warper transformers builds from the generation config or is given. A second hook reads the raw logits, for
   log mu_base = log_softmax(logits / T) whenever the chain does more than temperature (truncation, penalties, ...).
-- vLLM: `record_vllm_logprobs` wraps `VLLMGeneration.generate`. vLLM returns processed (renormalised) log-probs only.
+- vLLM: `record_vllm_logprobs` wraps `VLLMGeneration.generate` (the lists TRL makes of vLLM's output, a server's
+  included); on a colocated engine with top-K, `record_vllm_flat_logprobs` wraps the engine's `generate` and takes the
+  top-K from vLLM's flat output before TRL turns it into lists. vLLM returns processed (renormalised) log-probs only.
 
 What GRPOTrainer receives are floats (it threads them through tool calls into `sampling_per_token_logps`); when the
 batch needs more than that float, each carries its token's row in the store (`records.tag_logps`).
@@ -35,6 +37,7 @@ __all__ = [
     "SamplerLogprobRecorder",
     "check_recordable_sampling",
     "recording_generate",
+    "record_vllm_flat_logprobs",
     "record_vllm_logprobs",
     "sync_weights_in_place",
 ]
@@ -271,13 +274,58 @@ def _vllm_kept_sets(completion_ids, logprobs, token_ids, topk: int) -> tuple[np.
     return sampled, ids, logps
 
 
+def _flat_kept_sets(outputs: list, topk: int) -> tuple[np.ndarray, ...]:
+    """Sampled log-probs `(N,)`, kept ids `(N, K + 1)` and log-probs `(N, K + 1)` of a run of vLLM completions whose
+    `logprobs` are vLLM's `FlatLogprobs`: per token the sampled entry, then the top K by rank, K + 1 entries always."""
+    chain = itertools.chain.from_iterable
+    n = sum(len(output.token_ids) for output in outputs)
+    total = sum(len(output.logprobs.token_ids) for output in outputs)
+    if total != n * (topk + 1):
+        raise RuntimeError(
+            f"vLLM's flat log-probabilities list {total} entries for {n} tokens; asked for logprobs={topk} they list "
+            f"{topk + 1} per token (the sampled one, then the top {topk})."
+        )
+    ids = np.fromiter(chain(o.logprobs.token_ids for o in outputs), dtype=np.int32, count=total).reshape(n, -1)
+    logps = np.fromiter(chain(o.logprobs.logprobs for o in outputs), dtype=np.float32, count=total).reshape(n, -1)
+    kept_ids = np.empty_like(ids)
+    kept_ids[:, :topk] = ids[:, 1:]
+    kept_logps = np.empty_like(logps)
+    kept_logps[:, :topk] = logps[:, 1:]
+    outside = ~(ids[:, 1:] == ids[:, :1]).any(1)  # by id: a token tied with the K-th can have rank K and be outside
+    kept_ids[:, topk] = np.where(outside, ids[:, 0], VOID_ID)
+    kept_logps[:, topk] = np.where(outside, logps[:, 0], np.float32(-np.inf))
+    return logps[:, 0].copy(), kept_ids, kept_logps
+
+
+def _store_vllm_records(store: SamplerRecords, completion_ids: list, topk: int, read_run: Callable) -> list[float]:
+    """Lay one vLLM call's records out like the padded batch in `store`, reading `read_run(start, end)` (the kept sets
+    of sequences start..end) a run at a time; returns the tagged sampled log-probabilities, in token order."""
+    lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.long)
+    shape = (len(completion_ids), int(lengths.max()) if len(lengths) else 0)
+    filled = torch.arange(shape[1]) < lengths[:, None]  # (sequences, L): the real tokens, in token order
+    sampled = torch.full(shape, math.nan)
+    kept_ids = torch.full((*shape, topk + 1), VOID_ID, dtype=torch.int32)
+    kept_logps = torch.full((*shape, topk + 1), -math.inf)
+    start = 0
+    while start < len(completion_ids):  # a run of sequences at a time bounds the transient arrays
+        end, tokens = start, 0
+        while end < len(completion_ids) and (tokens < _VLLM_CHUNK_TOKENS or end == start):
+            tokens += len(completion_ids[end])
+            end += 1
+        for block, values in zip((sampled, kept_ids, kept_logps), read_run(start, end), strict=True):
+            block[start:end][filled[start:end]] = torch.from_numpy(values)
+        start = end
+    return store.add(sampled, kept_ids, kept_logps)[filled].tolist()
+
+
 def record_vllm_logprobs(generate: Callable, topk: int = 0, records: Callable[[], SamplerRecords] | None = None):
     """Wrap `VLLMGeneration.generate` so that entry 0 of each token's log-probabilities is the sampled token's.
 
-    With `topk = 0` vLLM is asked for the sampled token's log-probability only (`logprobs=0`), which is already entry
-    0: the output passes through untouched. With K > 0 vLLM lists each token's entries by rank and GRPOTrainer keeps
-    entry 0; the wrapper stores the kept sets in `records()` (the generation batch's store), laid out like the padded
-    batch, and puts the sampled token's log-probability, tagged with its row, in entry 0.
+    With `topk = 0` vLLM is asked for the sampled token's log-probability only (`logprobs=0`), or the records were
+    already taken from vLLM's own output (`record_vllm_flat_logprobs`, colocate): entry 0 is the sampled token's and
+    the output passes through untouched. With K > 0 (a vLLM server) vLLM lists each token's entries by rank and
+    GRPOTrainer keeps entry 0; the wrapper stores the kept sets in `records()` (the generation batch's store), laid out
+    like the padded batch, and puts the sampled token's log-probability, tagged with its row, in entry 0.
     """
 
     @functools.wraps(generate)
@@ -289,27 +337,52 @@ def record_vllm_logprobs(generate: Callable, topk: int = 0, records: Callable[[]
             )
         if not topk:
             return prompt_ids, completion_ids, logprobs, logprob_token_ids
-        lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.long)
-        shape = (len(completion_ids), int(lengths.max()) if len(lengths) else 0)
-        filled = torch.arange(shape[1]) < lengths[:, None]  # (sequences, L): the real tokens, in token order
-        sampled = torch.full(shape, math.nan)
-        kept_ids = torch.full((*shape, topk + 1), VOID_ID, dtype=torch.int32)
-        kept_logps = torch.full((*shape, topk + 1), -math.inf)
-        start = 0
-        while start < len(completion_ids):  # a run of sequences at a time bounds the transient arrays
-            end, tokens = start, 0
-            while end < len(completion_ids) and (tokens < _VLLM_CHUNK_TOKENS or end == start):
-                tokens += len(completion_ids[end])
-                end += 1
-            run = _vllm_kept_sets(completion_ids[start:end], logprobs[start:end], logprob_token_ids[start:end], topk)
-            for block, values in zip((sampled, kept_ids, kept_logps), run, strict=True):
-                block[start:end][filled[start:end]] = torch.from_numpy(values)
-            start = end
-        tagged = records().add(sampled, kept_ids, kept_logps)[filled].tolist()
+
+        def read_run(start: int, end: int) -> tuple[np.ndarray, ...]:
+            return _vllm_kept_sets(completion_ids[start:end], logprobs[start:end], logprob_token_ids[start:end], topk)
+
+        tagged = _store_vllm_records(records(), completion_ids, topk, read_run)
         # Entry 0 of vLLM's own per-token lists (made for this call) takes the record: no new list per token
         for entry, value in zip(itertools.chain.from_iterable(logprobs), tagged, strict=True):
             entry[0] = value
         return prompt_ids, completion_ids, logprobs, logprob_token_ids
+
+    return wrapped
+
+
+def record_vllm_flat_logprobs(llm_generate: Callable, topk: int, records: Callable[[], SamplerRecords]):
+    """Wrap a colocated engine's `LLM.generate`, asked for `logprobs=K` with `flat_logprobs=True`, to take the top-K
+    records from vLLM's own output before TRL reads it.
+
+    vLLM's flat log-probabilities are a few flat lists per completion (K + 1 numbers per token), read here in one pass
+    per run of completions; its default instead builds a dict of K + 1 `Logprob` objects per token, which TRL then
+    sorts. Each completion's log-probabilities are then cut to the sampled token's entry, its log-probability tagged
+    with its row, so TRL's `extract_logprobs` does what it does for `logprobs=0`.
+    """
+
+    @functools.wraps(llm_generate)
+    def wrapped(*args, **kwargs):
+        request_outputs = llm_generate(*args, **kwargs)
+        outputs = [output for request in request_outputs for output in request.outputs]
+        if any(not hasattr(output.logprobs, "start_indices") for output in outputs):
+            raise RuntimeError(
+                "vLLM returned per-token dicts, not flat log-probabilities: the sampling parameters lost "
+                "`flat_logprobs=True` (DPPOTrainer sets it in the vLLM backend's `generation_kwargs`)."
+            )
+        completion_ids = [output.token_ids for output in outputs]
+        tagged = _store_vllm_records(
+            records(), completion_ids, topk, lambda start, end: _flat_kept_sets(outputs[start:end], topk)
+        )
+        width, end = topk + 1, 0
+        for output in outputs:  # vLLM made these lists for this call; slicing them is C-level, per completion
+            entries, n = output.logprobs, len(output.token_ids)
+            entries.token_ids = entries.token_ids[::width]
+            entries.ranks = entries.ranks[::width]
+            entries.decoded_tokens = entries.decoded_tokens[::width]
+            entries.logprobs = tagged[end : end + n]
+            entries.start_indices, entries.end_indices = list(range(n)), list(range(1, n + 1))
+            end += n
+        return request_outputs
 
     return wrapped
 

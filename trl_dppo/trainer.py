@@ -5,8 +5,8 @@ normalisation, logging, checkpoints) is GRPOTrainer's own, reached through `supe
 in one small override:
 
 - `_generate_single_turn`: on transformers generation, records mu while `generate()` samples (`rollout.py`); on vLLM
-  the backend is wrapped at init instead (`record_vllm_logprobs`). GRPOTrainer threads the records into
-  `sampling_per_token_logps`.
+  the backend is wrapped at init instead (`record_vllm_logprobs`; with top-K on a colocated engine, the engine's own
+  `generate`, `record_vllm_flat_logprobs`). GRPOTrainer threads the records into `sampling_per_token_logps`.
 - `_get_per_token_logps_and_entropies`: during scoring, skips GRPOTrainer's recomputation of old log-probabilities
   (the trust region's anchor is mu); during the loss, turns the forward pass's log pi into per-token advantages
   w_t = M_t * min(pi/mu, C) * A_t (or another method's weight, `trust_region`, see `trust_regions.py`). GRPOTrainer's
@@ -53,6 +53,7 @@ from .records import SamplerRecords
 from .rollout import (
     SamplerLogprobRecorder,
     check_recordable_sampling,
+    record_vllm_flat_logprobs,
     record_vllm_logprobs,
     recording_generate,
     sync_weights_in_place,
@@ -232,9 +233,16 @@ class DPPOTrainer(GRPOTrainer):
         backend = self.vllm_generation
         if backend.mode == "server":
             self._check_server_logprobs_mode(backend)
-        backend.generate = record_vllm_logprobs(backend.generate, self.topk, self._current_sampler_records)
+        topk_in_lists = self.topk
         if self.topk:
             backend.logprobs = self.topk
+            if backend.mode == "colocate":  # the top-K is taken from vLLM's flat output, before TRL's lists
+                backend.generation_kwargs = {**backend.generation_kwargs, "flat_logprobs": True}
+                backend.llm.generate = record_vllm_flat_logprobs(
+                    backend.llm.generate, self.topk, self._current_sampler_records
+                )
+                topk_in_lists = 0
+        backend.generate = record_vllm_logprobs(backend.generate, topk_in_lists, self._current_sampler_records)
         if backend.mode == "colocate":
             from vllm.platforms import current_platform
 
