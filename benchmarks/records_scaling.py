@@ -2,15 +2,19 @@
 
 Part 1, the record path: synthetic backend output, no model. vLLM-shaped: the nested lists `VLLMGeneration.generate`
 returns (per sequence, per token, K or K + 1 log-probs and ids sorted by rank, or one with `logprobs=0`).
-transformers-shaped: the recorder's buffers after `generate()`. For each size and mode (binary; top-K, K = 20), in one process:
+transformers-shaped: the recorder's buffers after `generate()`. vLLM colocate: the `RequestOutput`s of the engine's
+`generate` (per-token dicts, as TRL reads them; flat, as DPPO asks for them). For each size and mode (binary; top-K,
+K = 20), in one process:
 
 - TRL: GRPOTrainer's own handling. vLLM: `GRPOTrainer._generate_single_turn` itself, called on a stub trainer with a
   stub backend (it keeps entry 0 of each token), then the padding into `sampling_per_token_logps` (the two statements
   of `_generate_and_score_completions` that do it, calling TRL's `pad`; that method cannot run alone). transformers:
-  TRL records no log-probabilities there, so its reference is that padding of the same per-completion floats.
+  TRL records no log-probabilities there, so its reference is that padding of the same per-completion floats. vLLM
+  colocate: what TRL's `VLLMGeneration.generate` does with the engine's output (`extract_logprobs`), then the same;
+  for the same top-K output, and for TRL's default `logprobs=0` output of the same tokens.
 - DPPO: the whole record path, from the backend's output to the batch tensors: the wrapped backend
-  (`record_vllm_logprobs`) or `SamplerLogprobRecorder.finish`, the same GRPOTrainer code, then
-  `SamplerRecords.batch_tensors`.
+  (`record_vllm_logprobs`, or `record_vllm_flat_logprobs` on the engine's output) or `SamplerLogprobRecorder.finish`,
+  the same GRPOTrainer code, then `SamplerRecords.batch_tensors`.
 
 Time: best of `--repeats` runs, alternating TRL and DPPO. Memory, per token: the resident memory's high-water mark
 during the path above where it started (Linux's VmHWM, reset before the path: Python, numpy and torch alike), plus the
@@ -20,6 +24,7 @@ Part 2, the recorder in real generation: `generate()` on SmolLM2-135M (the offli
 new tokens, with no recorder, the binary recorder and the top-K recorder, interleaved, `--model-repeats` times each.
 
     .venv/bin/python benchmarks/records_scaling.py --out benchmarks/results/records_scaling
+    .venv/bin/python benchmarks/records_scaling.py --backends 'vllm colocate' --model-repeats 0  # rerun some rows
 """
 
 from __future__ import annotations

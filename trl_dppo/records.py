@@ -96,8 +96,8 @@ class SamplerRecords:
     Each backend call adds one block laid out like a padded batch `(sequences, L)` (`add`); the rows of its tokens are
     read back per batch token through the tags (`batch_tensors`). Per token, a block holds:
 
-    - `kept_ids` / `kept_logps` `(K + 1)`: the sampler's kept set (`complete_kept_sets_`): its K most likely tokens and their
-      log-probabilities, then the sampled token when outside them (top-K only);
+    - `kept_ids` / `kept_logps` `(K + 1)`: the sampler's kept set (`complete_kept_sets_`): its K most likely tokens
+      and their log-probabilities, then the sampled token when outside them (top-K only);
     - `base`: log mu_base of the sampled token, log_softmax(logits / T) before any truncation or penalty, stored only
       when the sampler's chain did more than temperature (the trainer's pi is that distribution, so the divergence
       compares like with like). The top-K is then taken under mu_base too.

@@ -259,8 +259,8 @@ def _vllm_kept_sets(completion_ids, logprobs, token_ids, topk: int) -> tuple[np.
     widths = np.fromiter(map(len, chain(token_ids)), dtype=np.int64, count=n)
     if n and (widths.min() < topk or widths.max() > topk + 1):
         raise RuntimeError(
-            f"vLLM listed {widths.min()} to {widths.max()} log-probabilities for a token; asked for logprobs={topk} it "
-            f"lists {topk}, or {topk + 1} when the sampled token is outside the top {topk}."
+            f"vLLM listed {widths.min()} to {widths.max()} log-probabilities for a token; asked for "
+            f"logprobs={topk} it lists {topk}, or {topk + 1} when the sampled token is outside the top {topk}."
         )
     total = int(widths.sum())
     filled = np.arange(topk + 1) < widths[:, None]
