@@ -77,6 +77,9 @@ def _kept_logps_under_fsdp2(rank: int, init_file: str, topks: tuple[int, ...], t
             want = full.gather(-1, kept.clamp_min(0)).masked_fill(kept < 0, -math.inf)
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
             assert isinstance(head.weight, DTensor)  # the head is left sharded
+        # Every process is past its last collective before either tears the group down: a gloo process whose peer
+        # closed the group mid-transfer aborts ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
