@@ -13,6 +13,7 @@ global rows whatever the number of processes.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -127,6 +128,7 @@ def main(batch_file: str, out_file: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, out_file)
     if torch.distributed.is_initialized():  # else gloo can abort at exit after a good run (pytorch/pytorch#190489)
+        gc.collect()  # the trainers' DDP wrappers hold the group too
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 

@@ -7,6 +7,7 @@ The summary is what a run leaves behind for later comparison and plotting: ``log
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import math
@@ -225,6 +226,7 @@ def close_process_group() -> None:
     the group while another process is still inside a collective would hang instead.
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        gc.collect()  # the finished trainer's DDP wrapper holds the group too: freed now, the group ends with this call
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
