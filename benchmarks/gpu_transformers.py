@@ -227,19 +227,20 @@ def alignment(model_dir: str, out: Path, device: str, smoke: bool) -> bool:
 # ------------------------------------------------------------------------------------------------- recorder
 
 
-def recorder_overhead(model, prompt: torch.Tensor, new_tokens: int, repeats: int) -> dict:
-    """Seconds of `generate()` with no recorder, the binary and the top-20 recorder, interleaved, after a warm-up."""
+def recorder_overhead(model, prompt: torch.Tensor, new_tokens: int, repeats: int, temperature: float = 1.0) -> dict:
+    """Seconds of `generate()` with no recorder, the binary and the top-20 recorder, interleaved, after a warm-up
+    (also `benchmarks/records_scaling.py`'s part 2, on CPU)."""
     from transformers import GenerationConfig
 
     from trl_dppo.records import SamplerRecords
     from trl_dppo.rollout import SamplerLogprobRecorder, recording_generate
 
     device = str(prompt.device)
-    # Fixed lengths (no eos), plain sampling at T = 1: the processor chain TRL builds by default, so the recorder
-    # adds its one hook and nothing else
+    # Fixed lengths (no eos), plain sampling at the trainer's temperature: the processor chain TRL builds by default,
+    # so the recorder adds its one hook and nothing else
     config = GenerationConfig(
         do_sample=True,
-        temperature=1.0,
+        temperature=temperature,
         top_k=0,
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
@@ -257,7 +258,7 @@ def recorder_overhead(model, prompt: torch.Tensor, new_tokens: int, repeats: int
             if topk is None:
                 model.generate(prompt, attention_mask=attention_mask, generation_config=generation_config)
             else:
-                recorder = SamplerLogprobRecorder(topk, 1.0)
+                recorder = SamplerLogprobRecorder(topk, temperature)
                 with recording_generate(model, recorder):
                     out = model.generate(prompt, attention_mask=attention_mask, generation_config=generation_config)
                 recorder.finish(out[:, prompt.size(1) :].tolist(), SamplerRecords(topk))
@@ -273,6 +274,7 @@ def recorder_overhead(model, prompt: torch.Tensor, new_tokens: int, repeats: int
         order = list(variants.items()) if rep % 2 == 0 else list(variants.items())[::-1]
         for name, topk in order:
             times[name].append(run(topk, config))
+            print(f"[rep {rep}] {name}: {times[name][-1]:.1f} s", flush=True)
     base = statistics.median(times["no recorder"])
     return {
         name: {

@@ -37,7 +37,6 @@ import json
 import random
 import re
 import shlex
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -57,7 +56,6 @@ from trl_dppo.rollout import (  # noqa: E402
     SamplerLogprobRecorder,
     record_vllm_flat_logprobs,
     record_vllm_logprobs,
-    recording_generate,
 )
 
 
@@ -372,50 +370,15 @@ def scaling(sizes: list[int], repeats: int, backends: list[str]) -> list[dict]:
 
 
 def generation_overhead(batch: int, new_tokens: int, repeats: int) -> dict:
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    """`gpu_transformers.recorder_overhead` on the offline SmolLM2-135M-Instruct, fp32 on the CPU, at T = 0.7."""
+    from gpu_transformers import recorder_overhead
+    from transformers import AutoModelForCausalLM
 
     from trl_dppo.jobs.default_model import default_model_path
 
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    config = GenerationConfig(
-        do_sample=True,
-        temperature=0.7,
-        top_k=0,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
+    model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
     prompt = torch.randint(100, 40000, (batch, 16), generator=torch.Generator().manual_seed(0))
-    variants = {"no recorder": None, "binary recorder": 0, "top-20 recorder": 20}
-    times = {name: [] for name in variants}
-
-    def run(topk):
-        torch.manual_seed(0)
-        start = time.perf_counter()
-        with torch.no_grad():
-            if topk is None:
-                model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=config)
-            else:
-                recorder = SamplerLogprobRecorder(topk, 0.7)
-                with recording_generate(model, recorder):
-                    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=config)
-                recorder.finish(out[:, prompt.size(1) :].tolist(), SamplerRecords(topk))
-        return time.perf_counter() - start
-
-    with torch.no_grad():  # warm-up, short
-        model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, max_new_tokens=4)
-    for rep in range(repeats):
-        order = list(variants.items()) if rep % 2 == 0 else list(variants.items())[::-1]
-        for name, topk in order:
-            times[name].append(run(topk))
-            print(f"[rep {rep}] {name}: {times[name][-1]:.1f} s", flush=True)
-    base = statistics.median(times["no recorder"])
-    return {
-        name: {"seconds": t, "median_s": statistics.median(t), "overhead": statistics.median(t) / base - 1}
-        for name, t in times.items()
-    }
+    return recorder_overhead(model, prompt, new_tokens, repeats, temperature=0.7)
 
 
 # ---------------------------------------------------------------------------------------------------- output

@@ -34,8 +34,8 @@ from trl_dppo import DPPOConfig, DPPOTrainer  # noqa: E402
 from trl_dppo.jobs.arithmetic import arithmetic_dataset, exact_answer_reward  # noqa: E402
 from trl_dppo.jobs.dppo_math_lora import cli_defaults  # noqa: E402
 from trl_dppo.jobs.script_utils import (  # noqa: E402
-    parse_with_defaults,
     resolve_offline_default,
+    run_job,
     set_model_init_kwargs,
     train_and_report,
 )
@@ -104,7 +104,7 @@ def main(task_args: TaskArguments, training_args: DPPOConfig, model_args: ModelC
 
 def cli(argv: Sequence[str] | None = None) -> dict | None:
     parser = TrlParser((TaskArguments, DPPOConfig, ModelConfig), prog="benchmarks/task_job.py")
-    return main(*parse_with_defaults(parser, cli_defaults(), argv))
+    return run_job(main, parser, cli_defaults(), argv)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from trl_dppo.jobs.hh_rlhf import (
     load_reward_model,
     parse_hh_dialogue,
 )
+from trl_dppo.jobs.script_utils import parse_with_defaults
 
 from .conftest import DATA, needs_data
 
@@ -93,7 +94,7 @@ def test_documented_gpu_command_parses() -> None:
     command = re.search(r"accelerate launch .*?--output_dir \S+", script.__doc__, re.S).group(0)
     args = shlex.split(command.replace("\\\n", " "))
     args = args[args.index("examples/hh_rlhf_lora.py") + 1 :]
-    parsed = script.parse_with_defaults(script.make_parser(), script.cli_defaults(), args)
+    parsed = parse_with_defaults(script.make_parser(), script.cli_defaults(), args)
     script_args, training_args, model_args = parsed
     assert script_args.reward_model_name_or_path == "Skywork/Skywork-Reward-Llama-3.1-8B-v0.2"
     assert model_args.model_name_or_path == "Qwen/Qwen3-4B-Instruct-2507" and model_args.use_peft
@@ -105,7 +106,7 @@ def test_documented_gpu_command_parses() -> None:
 
 def test_no_reward_model_fails_before_loading_anything() -> None:
     script = _load_script()
-    parsed = script.parse_with_defaults(script.make_parser(), script.cli_defaults(), ["--data_path", "missing.jsonl"])
+    parsed = parse_with_defaults(script.make_parser(), script.cli_defaults(), ["--data_path", "missing.jsonl"])
     with pytest.raises(ValueError, match="No reward model given"):
         script.main(*parsed)
 
@@ -130,7 +131,7 @@ def test_two_step_smoke_run(tiny_model_dir: str, reward_model_dir: str, tmp_path
         "--save_strategy", "no",
         "--output_dir", str(out),
     ]  # fmt: skip
-    summary = script.main(*script.parse_with_defaults(script.make_parser(), script.cli_defaults(), args))
+    summary = script.main(*parse_with_defaults(script.make_parser(), script.cli_defaults(), args))
     assert summary is not None and summary["steps"] == 2
     saved = json.loads((out / "dppo_summary.json").read_text())
     assert saved["reward_model"] == reward_model_dir and saved["reward_first"] is not None

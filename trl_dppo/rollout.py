@@ -287,13 +287,9 @@ def _flat_kept_sets(outputs: list, topk: int) -> tuple[np.ndarray, ...]:
         )
     ids = np.fromiter(chain(o.logprobs.token_ids for o in outputs), dtype=np.int32, count=total).reshape(n, -1)
     logps = np.fromiter(chain(o.logprobs.logprobs for o in outputs), dtype=np.float32, count=total).reshape(n, -1)
-    kept_ids = np.empty_like(ids)
-    kept_ids[:, :topk] = ids[:, 1:]
-    kept_logps = np.empty_like(logps)
-    kept_logps[:, :topk] = logps[:, 1:]
-    outside = ~(ids[:, 1:] == ids[:, :1]).any(1)  # by id: a token tied with the K-th can have rank K and be outside
-    kept_ids[:, topk] = np.where(outside, ids[:, 0], VOID_ID)
-    kept_logps[:, topk] = np.where(outside, logps[:, 0], np.float32(-np.inf))
+    kept_ids, kept_logps = np.roll(ids, -1, axis=1), np.roll(logps, -1, axis=1)  # the top K first
+    # The sampled token's slot, by id: a token tied with the K-th can have rank K and still be outside the top K
+    complete_kept_sets_(*map(torch.from_numpy, (kept_ids, kept_logps, ids[:, 0], logps[:, 0])))
     return logps[:, 0].copy(), kept_ids, kept_logps
 
 

@@ -42,11 +42,10 @@ from ..trainer import DPPOTrainer
 from .arithmetic import arithmetic_dataset, exact_answer_reward
 from .script_utils import (
     COMMON_DEFAULTS,
-    close_process_group,
     device_defaults,
-    parse_with_defaults,
     quantization_config_for,
     resolve_offline_default,
+    run_job,
     set_model_init_kwargs,
     train_and_report,
 )
@@ -120,9 +119,7 @@ def cli_defaults() -> dict:
 
 def cli(argv: Sequence[str] | None = None) -> dict | None:
     """Parse TRL-style arguments (``--config`` YAML included) over the job's defaults, and train."""
-    summary = main(*parse_with_defaults(make_parser(), cli_defaults(), argv))
-    close_process_group()
-    return summary
+    return run_job(main, make_parser(), cli_defaults(), argv)
 
 
 if __name__ == "__main__":

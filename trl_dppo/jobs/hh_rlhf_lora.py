@@ -59,10 +59,9 @@ from .default_model import resolve_model
 from .hh_rlhf import REWARD_MODEL_HINT, load_hh_prompts, load_policy_tokenizer, load_reward_model
 from .script_utils import (
     COMMON_DEFAULTS,
-    close_process_group,
     device_defaults,
-    parse_with_defaults,
     quantization_config_for,
+    run_job,
     set_model_init_kwargs,
     train_and_report,
 )
@@ -177,9 +176,7 @@ def cli_defaults() -> dict:
 
 def cli(argv: Sequence[str] | None = None) -> dict | None:
     """Parse TRL-style arguments (``--config`` YAML included) over the job's defaults, and train."""
-    summary = main(*parse_with_defaults(make_parser(), cli_defaults(), argv))
-    close_process_group()
-    return summary
+    return run_job(main, make_parser(), cli_defaults(), argv)
 
 
 if __name__ == "__main__":

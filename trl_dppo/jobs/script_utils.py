@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +26,12 @@ from .default_model import DEFAULT_MODEL, resolve_model
 
 __all__ = [
     "COMMON_DEFAULTS",
-    "close_process_group",
     "device_defaults",
     "format_summary",
     "parse_with_defaults",
     "quantization_config_for",
     "resolve_offline_default",
+    "run_job",
     "set_model_init_kwargs",
     "summarize_log_history",
     "train_and_report",
@@ -217,10 +217,10 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     return "\n".join(f"  {key}: {fmt(value)}" for key, value in summary.items())
 
 
-def close_process_group() -> None:
+def _close_process_group() -> None:
     """End torch.distributed's default group, if this process has one, once every process got here.
 
-    A job launched with `accelerate launch` ends with this: a gloo process that exits with its group alive can abort at
+    Every job ends with this (`run_job`): under `accelerate launch`, a gloo process that exits with its group alive can abort at
     interpreter shutdown ("terminate called without an active exception", pytorch/pytorch#190489) after a run that
     succeeded, and the launcher then reports the whole run as failed. Called only after a successful run: destroying
     the group while another process is still inside a collective would hang instead.
@@ -229,6 +229,14 @@ def close_process_group() -> None:
         gc.collect()  # the finished trainer's DDP wrapper holds the group too: freed now, the group ends with this call
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def run_job(main: Callable[..., Any], parser: Any, defaults: Mapping[str, Any], argv: Sequence[str] | None = None):
+    """A job's command line: parse TRL-style arguments over `defaults` (`parse_with_defaults`), return what `main`
+    returns on them, and end the process group once it has (`_close_process_group`)."""
+    result = main(*parse_with_defaults(parser, defaults, argv))
+    _close_process_group()
+    return result
 
 
 def train_and_report(
