@@ -1,20 +1,23 @@
 """What recording mu costs, against what GRPOTrainer spends on the same log-probabilities, from 10k to 1M tokens.
 
 Part 1, the record path: synthetic backend output, no model. vLLM-shaped: the nested lists `VLLMGeneration.generate`
-returns (per sequence, per token, K or K + 1 log-probs and ids sorted by rank, or one with `logprobs=0`).
-transformers-shaped: the recorder's buffers after `generate()`. vLLM colocate: the `RequestOutput`s of the engine's
-`generate` (per-token dicts, as TRL reads them; flat, as DPPO asks for them). For each size and mode (binary; top-K,
-K = 20), in one process:
+returns (per sequence, per token, K or K + 1 log-probs and ids sorted by rank, or one with `logprobs=0`). vLLM server:
+the JSON body of a `vllm serve` response to TRL's client (OpenAI completions, tokens as ids: per token a dict of the
+sampled token and the top K). transformers-shaped: the recorder's buffers after `generate()`. vLLM colocate: the
+`RequestOutput`s of the engine's `generate` (per-token dicts, as TRL reads them; flat, as DPPO asks for them). For
+each size and mode (binary; top-K, K = 20), in one process:
 
 - TRL: GRPOTrainer's own handling. vLLM: `GRPOTrainer._generate_single_turn` itself, called on a stub trainer with a
   stub backend (it keeps entry 0 of each token), then the padding into `sampling_per_token_logps` (the two statements
   of `_generate_and_score_completions` that do it, calling TRL's `pad`; that method cannot run alone). transformers:
   TRL records no log-probabilities there, so its reference is that padding of the same per-completion floats. vLLM
   colocate: what TRL's `VLLMGeneration.generate` does with the engine's output (`extract_logprobs`), then the same;
-  for the same top-K output, and for TRL's default `logprobs=0` output of the same tokens.
+  for the same top-K output, and for TRL's default `logprobs=0` output of the same tokens. vLLM server: TRL's
+  `VLLMClient.generate` on the body (the HTTP request stubbed, the JSON decoded as `requests` does), then the same;
+  for the same top-K response and for the `logprobs=0` response TRL asks for by default.
 - DPPO: the whole record path, from the backend's output to the batch tensors: the wrapped backend
-  (`record_vllm_logprobs`, or `record_vllm_flat_logprobs` on the engine's output) or `SamplerLogprobRecorder.finish`,
-  the same GRPOTrainer code, then `SamplerRecords.batch_tensors`.
+  (`record_vllm_logprobs` on TRL's lists, or `record_vllm_flat_logprobs` on the engine's output) or
+  `SamplerLogprobRecorder.finish`, the same GRPOTrainer code, then `SamplerRecords.batch_tensors`.
 
 Time: best of `--repeats` runs, alternating TRL and DPPO. Memory, per token: the resident memory's high-water mark
 during the path above where it started (Linux's VmHWM, reset before the path: Python, numpy and torch alike), plus the
@@ -34,6 +37,7 @@ import copy
 import ctypes
 import gc
 import json
+import pickle
 import random
 import re
 import shlex
@@ -48,10 +52,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trl import GRPOTrainer  # noqa: E402
+from trl.generation.vllm_client import VLLMClient  # noqa: E402
 from trl.generation.vllm_generation import extract_logprobs  # noqa: E402
 from trl.trainer.utils import pad  # noqa: E402
 
-from trl_dppo.records import SamplerRecords  # noqa: E402
+from trl_dppo.records import SamplerRecords, complete_kept_sets_  # noqa: E402
 from trl_dppo.rollout import (  # noqa: E402
     SamplerLogprobRecorder,
     record_vllm_flat_logprobs,
@@ -120,8 +125,32 @@ def engine_outputs(lists, topk: int, flat: bool):
     return requests
 
 
+def server_body(lists, topk: int) -> bytes:
+    """The JSON body a vLLM server (`vllm serve`, OpenAI completions with tokens as ids, as TRL's client asks) returns
+    for `vllm_output`'s tokens asked for `topk` log-probs: per token the sampled token and its log-prob, and a dict of
+    the sampled token then the top K (one entry per token)."""
+    _, completion_ids, logprobs, token_ids = lists
+    choices = []
+    for index, (tokens, seq_lps, seq_tids) in enumerate(zip(completion_ids, logprobs, token_ids, strict=True)):
+        sampled = [lps[tids.index(token)] for token, lps, tids in zip(tokens, seq_lps, seq_tids, strict=True)]
+        tops = [
+            {f"token_id:{t}": lp for t, lp in [(token, logp), *zip(tids[:topk], lps[:topk], strict=True)]}
+            for token, logp, lps, tids in zip(tokens, sampled, seq_lps, seq_tids, strict=True)
+        ]
+        entries = {
+            "text_offset": list(range(len(tokens))),
+            "token_logprobs": sampled,
+            "tokens": [f"token_id:{t}" for t in tokens],
+            "top_logprobs": tops,
+        }
+        choice = {"index": index, "text": "", "logprobs": entries, "finish_reason": "length"}
+        choices.append({**choice, "prompt_token_ids": [1, 2, 3], "token_ids": tokens})
+    return json.dumps({"id": "cmpl-0", "object": "text_completion", "model": "m", "choices": choices}).encode()
+
+
 def recorder_buffers(tokens: int, topk: int, seed: int = 0):
-    """The buffers a `SamplerLogprobRecorder` holds after `generate()` (`(batch, steps, ...)`), and the completions."""
+    """The buffers a `SamplerLogprobRecorder` holds after `generate()` (`(batch, steps, ...)`, the kept sets complete),
+    and the completions."""
     gen = torch.Generator().manual_seed(seed)
     batch = tokens // SEQ_LEN
     completion = torch.randint(VOCAB, (batch, SEQ_LEN), generator=gen)
@@ -131,10 +160,9 @@ def recorder_buffers(tokens: int, topk: int, seed: int = 0):
         in_top = torch.rand(batch, SEQ_LEN, generator=gen) < 0.8  # the sampled token is usually among the top K
         top_ids[..., 0] = torch.where(in_top, completion.int(), top_ids[..., 0])
         top_logps = -torch.rand(batch, SEQ_LEN, topk, generator=gen).sort(-1).values * 8
-        # what `generate()` leaves: the top K in the first K slots (the last is filled by `finish`), and the tokens
         buffers["kept_ids"] = torch.cat([top_ids, torch.zeros(batch, SEQ_LEN, 1, dtype=torch.int32)], -1)
         buffers["kept_logps"] = torch.cat([top_logps, torch.zeros(batch, SEQ_LEN, 1)], -1)
-        buffers["tokens"] = completion.int()
+        complete_kept_sets_(buffers["kept_ids"], buffers["kept_logps"], completion, buffers["sampled"])
     return buffers, completion.tolist()
 
 
@@ -171,9 +199,10 @@ def trl_vllm(data, topk):
 
 
 def fresh_vllm_lists(data, topk):
-    """A real backend makes its per-token lists afresh for each call; DPPO's wrapper writes entry 0 of them."""
+    """A real backend makes its per-token lists and floats afresh for each call; DPPO's wrapper writes entry 0 of them
+    (a float it replaces is freed, so copies by pickling: a list's copy would share the floats)."""
     output, completions = data
-    return ((output[0], output[1], [[list(t) for t in seq] for seq in output[2]], output[3]), completions)
+    return ((output[0], output[1], pickle.loads(pickle.dumps(output[2])), output[3]), completions)
 
 
 def to_batch(records, logprobs, completions):
@@ -193,6 +222,30 @@ def dppo_vllm(data, topk):
     return to_batch(records, logprobs, completions)
 
 
+def from_server(body: bytes, topk: int):
+    """`VLLMClient.generate` on a server's response body (TRL 1.16): the HTTP request stubbed, the JSON decoding kept
+    (`requests`' `response.json()`), then what `VLLMGeneration.generate` returns on one process."""
+    choices = json.loads(body)["choices"]
+    client = SimpleNamespace(base_url="http://stub", model="m", _post=lambda url, json: {"choices": choices})
+    output = VLLMClient.generate(client, [[1, 2, 3]] * len(choices), logprobs=topk)
+    return output["prompt_ids"], output["completion_ids"], output["logprobs"], output["logprob_token_ids"]
+
+
+def trl_server(data, topk):
+    (trl_body, trl_topk, _), completions = data
+    stub = stub_trainer(lambda **kwargs: from_server(trl_body, trl_topk))
+    _, logprobs = GRPOTrainer._generate_single_turn(stub, [[1, 2, 3]] * completions.size(0), None, {}, 1)
+    return [trl_padding(logprobs)]
+
+
+def dppo_server(data, topk):
+    (_, _, body), completions = data
+    records = SamplerRecords(topk=topk)
+    stub = stub_trainer(record_vllm_logprobs(lambda **kwargs: from_server(body, topk), topk, lambda: records))
+    completion_ids, logprobs = GRPOTrainer._generate_single_turn(stub, [[1, 2, 3]] * completions.size(0), None, {}, 1)
+    return to_batch(records, logprobs, completions)
+
+
 def from_engine(request_outputs):
     """What TRL's colocate `VLLMGeneration.generate` does with `LLM.generate`'s output (TRL 1.16, tp = 1)."""
     prompt_ids = [request.prompt_token_ids for request in request_outputs]
@@ -209,14 +262,15 @@ def trl_colocate(data, topk):
 
 
 def fresh_flat_outputs(data, topk):
-    """vLLM makes its flat lists afresh for each call; DPPO's wrapper cuts them to the sampled entry."""
+    """vLLM makes its flat lists afresh for each call; DPPO's wrapper cuts them to the sampled entry (and the floats
+    it drops are freed)."""
     (trl_outputs, flat_outputs), completions = data
     copies = []
     for request in flat_outputs:
         output = request.outputs[0]
         entries = copy.copy(output.logprobs)
         for name in ("start_indices", "end_indices", "token_ids", "logprobs", "ranks", "decoded_tokens"):
-            setattr(entries, name, list(getattr(entries, name)))
+            setattr(entries, name, pickle.loads(pickle.dumps(getattr(entries, name))))  # new floats too
         output = SimpleNamespace(token_ids=output.token_ids, logprobs=entries)
         copies.append(SimpleNamespace(prompt_token_ids=request.prompt_token_ids, outputs=[output]))
     return (trl_outputs, copies), completions
@@ -300,6 +354,14 @@ def colocate_data(tokens: int, topk: int, trl_topk: int):
     return (engine_outputs(lists, trl_topk, flat=False), engine_outputs(lists, topk, flat=True)), lists[1]
 
 
+def server_data(tokens: int, topk: int, trl_topk: int):
+    """A server's response for the same tokens: asked for `trl_topk` log-probs (TRL), and for K (DPPO)."""
+    lists = vllm_output(tokens, topk)
+    dppo_body = server_body(lists, topk)
+    trl_body = dppo_body if trl_topk == topk else server_body(lists, trl_topk)
+    return (trl_body, trl_topk, dppo_body), lists[1]
+
+
 def buffers_data(tokens: int, topk: int):
     buffers, completion_ids = recorder_buffers(tokens, topk)
     return (buffers, completion_ids), completion_ids
@@ -309,6 +371,8 @@ def buffers_data(tokens: int, topk: int):
 CASES = [
     ("vllm", "binary", 0, lists_data, trl_vllm, dppo_vllm, fresh_vllm_lists),
     ("vllm", "top-20", 20, lists_data, trl_vllm, dppo_vllm, fresh_vllm_lists),
+    ("vllm server", "top-20", 20, lambda n, k: server_data(n, k, k), trl_server, dppo_server, same),
+    ("vllm server", "top-20 vs TRL logprobs=0", 20, lambda n, k: server_data(n, k, 0), trl_server, dppo_server, same),
     ("vllm colocate", "top-20", 20, lambda n, k: colocate_data(n, k, k), trl_colocate_of, dppo_colocate,
      fresh_flat_outputs),
     ("vllm colocate", "top-20 vs TRL logprobs=0", 20, lambda n, k: colocate_data(n, k, 0), trl_colocate_of,
@@ -421,15 +485,18 @@ def write(rows, generation, out: Path, commands: list[str]) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    styles = {"vllm": "-", "vllm colocate": "-.", "transformers": "--"}
+    styles = {"vllm": "-", "vllm server": (0, (5, 1, 1, 1)), "vllm colocate": "-.", "transformers": "--"}
     colors = {"binary": "tab:blue", "top-20": "tab:orange", "top-20 vs TRL logprobs=0": "tab:red"}
     for backend, mode in dict.fromkeys((r["backend"], r["mode"]) for r in rows):
         sel = [r for r in rows if r["backend"] == backend and r["mode"] == mode]
         x, style, color = [r["tokens"] for r in sel], styles[backend], colors[mode]
-        axes[0].plot(x, [r["dppo_s"] for r in sel], style, color=color, marker="o", label=f"DPPO {backend} {mode}")
-        axes[0].plot(x, [r["trl_s"] for r in sel], style, color="gray", marker="x", alpha=0.6)
-        axes[1].plot(x, [r["dppo_bytes_per_token"] * r["tokens"] for r in sel], style, color=color, marker="o")
-        axes[1].plot(x, [r["trl_bytes_per_token"] * r["tokens"] for r in sel], style, color="gray", marker="x")
+        line = {"linestyle": style, "marker": "o", "color": color}
+        axes[0].plot(x, [r["dppo_s"] for r in sel], **line, label=f"DPPO {backend} {mode}")
+        axes[0].plot(x, [r["trl_s"] for r in sel], **{**line, "marker": "x", "color": "gray"}, alpha=0.6)
+        axes[1].plot(x, [r["dppo_bytes_per_token"] * r["tokens"] for r in sel], **line)
+        axes[1].plot(
+            x, [r["trl_bytes_per_token"] * r["tokens"] for r in sel], **{**line, "marker": "x", "color": "gray"}
+        )
     xs = sorted({r["tokens"] for r in rows})
     for ax, label in ((axes[0], "seconds"), (axes[1], "peak bytes")):
         ax.set_xscale("log")

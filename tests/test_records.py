@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from trl_dppo.records import VOID_ID, SamplerRecords, complete_kept_sets_, tag_logps, tagged_rows
+from trl_dppo.records import VOID_ID, SamplerRecords, complete_kept_sets_, tag_logps, tagged_lists, tagged_rows
 
 
 # float32 values that must survive tagging bit for bit, as TRL turns the floats into `sampling_per_token_logps`
@@ -22,6 +22,11 @@ EDGE_VALUES = torch.tensor(
 def trl_float32(values: list[float]) -> torch.Tensor:
     """What GRPOTrainer does with a completion's floats: `torch.tensor` of the list (float32)."""
     return torch.tensor([float("nan") if x is None else x for x in values])
+
+
+def record(store: SamplerRecords, sampled: torch.Tensor, lengths: list[int], *kept) -> list[list[float]]:
+    """One backend call: its records into the store, and its sampled log-probabilities as handed to TRL, tagged."""
+    return list(tagged_lists(sampled, lengths, store.add(sampled.shape, *kept)))
 
 
 def test_tags_vanish_in_the_float32_tensor_trl_builds_bit_for_bit():
@@ -53,13 +58,17 @@ def test_kept_sets_take_the_sampled_token_only_when_outside_the_top_k():
 def test_rows_follow_tokens_through_tool_stitching_and_truncation():
     """TRL stitches `logprobs[i] += [0.0] * tool_len + post_tool` and truncates with slices."""
     store = SamplerRecords(topk=2)
-    first = store.add(  # a generation call of two sequences, padded to the longer one
+    first = record(  # a generation call of two sequences, padded to the longer one
+        store,
         torch.tensor([[-0.1, -0.2], [-0.3, math.nan]]),
+        [2, 1],
         torch.tensor([[[1, 2, VOID_ID], [3, 4, VOID_ID]], [[5, 6, VOID_ID], [VOID_ID] * 3]]),
         torch.tensor([[[-0.1, -2.0, -math.inf], [-0.5, -0.6, -math.inf]], [[-1.0, -1.1, -math.inf], [-math.inf] * 3]]),
     )
-    post_tool = store.add(torch.tensor([[-0.7]]), torch.tensor([[[7, 8, 42]]]), torch.tensor([[[-0.9, -0.9, -0.7]]]))
-    rows = [first[0].tolist() + [0.0, 0.0] + post_tool[0].tolist(), first[1].tolist()[:1]]
+    [post_tool] = record(
+        store, torch.tensor([[-0.7]]), [1], torch.tensor([[[7, 8, 42]]]), torch.tensor([[[-0.9, -0.9, -0.7]]])
+    )
+    rows = [first[0] + [0.0, 0.0] + post_tool, first[1]]
     store.rollout_logprobs = rows
     completion_ids = torch.tensor([[1, 3, 100, 101, 42, 0], [6, 0, 0, 0, 0, 0]])
     sampling = torch.nn.utils.rnn.pad_sequence([trl_float32(r) for r in rows], batch_first=True)
@@ -80,8 +89,8 @@ def test_one_generation_call_without_tool_calls_is_its_own_batch_no_copy():
     store = SamplerRecords(topk=1)
     kept_ids = torch.tensor([[[3, VOID_ID], [4, 8]], [[5, VOID_ID], [1, 1]]], dtype=torch.int32)
     kept_logps = torch.tensor([[[-0.1, -math.inf], [-0.2, -3.0]], [[-0.3, -math.inf], [-9.0, -9.0]]])
-    tagged = store.add(torch.tensor([[-0.1, -3.0], [-0.3, -9.0]]), kept_ids, kept_logps)
-    store.rollout_logprobs = [tagged[0].tolist(), tagged[1].tolist()[:1]]  # the second completion ended early
+    # the second completion ended early
+    store.rollout_logprobs = record(store, torch.tensor([[-0.1, -3.0], [-0.3, -9.0]]), [2, 1], kept_ids, kept_logps)
     batch = store.batch_tensors(torch.tensor([[3, 8], [5, 0]]), torch.tensor([[-0.1, -3.0], [-0.3, 0.0]]))
     assert batch["sampler_kept_ids"].data_ptr() == kept_ids.data_ptr()
     assert batch["sampler_kept_logps"].data_ptr() == kept_logps.data_ptr()
@@ -91,10 +100,14 @@ def test_one_generation_call_without_tool_calls_is_its_own_batch_no_copy():
 
 def test_base_logps_are_kept_only_when_recorded():
     store = SamplerRecords(topk=1)
-    tagged = store.add(
-        torch.tensor([[-0.5]]), torch.tensor([[[3, 7]]]), torch.tensor([[[-0.2, -0.9]]]), torch.tensor([[-0.9]])
+    store.rollout_logprobs = record(
+        store,
+        torch.tensor([[-0.5]]),
+        [1],
+        torch.tensor([[[3, 7]]]),
+        torch.tensor([[[-0.2, -0.9]]]),
+        torch.tensor([[-0.9]]),
     )
-    store.rollout_logprobs = tagged.tolist()
     batch = store.batch_tensors(torch.tensor([[7]]), torch.tensor([[-0.5]]))
     assert batch["sampler_base_logps"].tolist() == [[-0.8999999761581421]]
     assert batch["sampler_kept_ids"].tolist() == [[[3, 7]]]
@@ -103,3 +116,33 @@ def test_base_logps_are_kept_only_when_recorded():
 def test_binary_records_without_base_need_nothing_beyond_the_float():
     store = SamplerRecords(topk=0)
     assert not store.needed and store.batch_tensors(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3)) == {}
+
+
+def test_a_call_without_base_records_takes_the_sampled_log_prob_as_base():
+    """Two calls (a tool call between them), only the first with a warper: the second's mu_base is its mu."""
+    store = SamplerRecords(topk=0)
+    [first] = record(store, torch.tensor([[-0.5, -0.25]]), [2], None, None, torch.tensor([[-0.75, -1.5]]))
+    [second] = record(store, torch.tensor([[-2.0]]), [1])
+    store.rollout_logprobs = [first + [0.0] + second]
+    sampling = torch.tensor([[-0.5, -0.25, 0.0, -2.0]])
+    batch = store.batch_tensors(torch.tensor([[1, 2, 3, 4]]), sampling)
+    assert batch["sampler_base_logps"].tolist() == [[-0.75, -1.5, 0.0, -2.0]]
+
+
+def test_runs_of_a_few_tokens_give_the_rows_and_views_of_one_pass(monkeypatch):
+    """Tagging and the layout check go a run of sequences at a time (bounded memory); runs change nothing."""
+    monkeypatch.setattr("trl_dppo.records.RUN_TOKENS", 4)
+    store = SamplerRecords(topk=1)
+    sampled = -torch.rand(5, 3)
+    kept_ids = torch.arange(30, dtype=torch.int32).view(5, 3, 2)
+    lengths = [3, 1, 2, 3, 0]
+    store.rollout_logprobs = record(store, sampled, lengths, kept_ids, torch.zeros(5, 3, 2))
+    assert [len(row) for row in store.rollout_logprobs] == lengths
+    assert tagged_rows(store.rollout_logprobs, 3).tolist() == [
+        [0, 1, 2], [3, -1, -1], [6, 7, -1], [9, 10, 11], [-1, -1, -1]
+    ]  # fmt: skip
+    batch = store.batch_tensors(torch.zeros(5, 3, dtype=torch.long), sampled)
+    assert batch["sampler_kept_ids"].data_ptr() == kept_ids.data_ptr()
+    assert batch["sampler_kept_ids"][1].tolist() == [[6, 7], [VOID_ID, VOID_ID], [VOID_ID, VOID_ID]]
+    assert batch["sampler_kept_ids"][3].tolist() == [[18, 19], [20, 21], [22, 23]]
+    assert (batch["sampler_kept_ids"][4] == VOID_ID).all()

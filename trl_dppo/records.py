@@ -19,19 +19,31 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 
-__all__ = ["ROW_BITS", "VOID_ID", "SamplerRecords", "complete_kept_sets_", "tag_logps", "tagged_rows"]
+__all__ = [
+    "ROW_BITS",
+    "RUN_TOKENS",
+    "VOID_ID",
+    "SamplerRecords",
+    "complete_kept_sets_",
+    "tag_logps",
+    "tagged_lists",
+    "tagged_rows",
+]
 
 # A kept-set slot with no token (the sampled token is already among the top K, or the token has no record)
 VOID_ID = -1
 # Rows of one generation batch are tagged in the low ROW_BITS bits of a float64 mantissa (float32 leaves 29 free)
 ROW_BITS = 28
 _ROW_MASK = (1 << ROW_BITS) - 1
+# Passes over a whole generation batch go this many tokens at a time, which bounds their transient memory
+RUN_TOKENS = 1 << 12
 
 
 def tag_logps(logps: torch.Tensor, first_row: int) -> torch.Tensor:
@@ -44,6 +56,18 @@ def tag_logps(logps: torch.Tensor, first_row: int) -> torch.Tensor:
     infinite = torch.isinf(logps)
     values[infinite] = logps[infinite].double()
     return values
+
+
+def tagged_lists(logps: torch.Tensor, lengths: Sequence[int], first_row: int) -> Iterator[list[float]]:
+    """Each sequence's log-probabilities `(S, L)`, cut to its length, as floats carrying rows `first_row + s * L + t`;
+    tagged `RUN_TOKENS` at a time as the lists are taken."""
+    S, L = logps.shape
+    run = max(1, RUN_TOKENS // max(L, 1))
+    for start in range(0, S, run):
+        values = tag_logps(logps[start : start + run].reshape(-1), first_row + start * L).view(-1, L).tolist()
+        for row, length in zip(values, lengths[start : start + run], strict=True):
+            del row[length:]
+            yield row
 
 
 def tagged_rows(logprobs: list[list[float]], length: int) -> torch.Tensor:
@@ -68,22 +92,21 @@ def complete_kept_sets_(
     """Fill the last slot of kept sets `(..., K + 1)` whose first K slots hold the sampler's top K, in place.
 
     The last slot takes the sampled token `(...)` and its log-probability `(...)` when it is outside the top K, and is
-    left empty (id `VOID_ID`, log-prob -inf) when it is among them.
+    left empty (id `VOID_ID`, log-prob -inf) when it is among them. Meant for a step or a run of tokens: it makes a
+    `(..., K)` transient.
     """
     topk = kept_ids.size(-1) - 1
-    outside = torch.ones(sampled_ids.shape, dtype=torch.bool, device=sampled_ids.device)
-    for slot in range(topk):  # a column at a time: no (..., K) transient beside the records
-        outside &= kept_ids[..., slot] != sampled_ids
+    outside = (kept_ids[..., :topk] != sampled_ids[..., None].to(kept_ids.dtype)).all(-1)
     kept_ids[..., topk] = torch.where(outside, sampled_ids.to(kept_ids.dtype), VOID_ID)
     kept_logps[..., topk] = torch.where(outside, sampled_logps.to(kept_logps.dtype), -math.inf)
 
 
 @dataclass
 class _Block:
-    """One backend call's records, laid out `(sequences, L, ...)` like a padded batch: row = first_row + s * L + t."""
+    """One backend call's records, laid out `shape = (sequences, L)` like a padded batch: row = first_row + s * L + t."""
 
     first_row: int
-    sampled: torch.Tensor  # (S, L) float32
+    shape: tuple[int, int]
     kept_ids: torch.Tensor | None  # (S, L, K + 1) int32
     kept_logps: torch.Tensor | None  # (S, L, K + 1) float32
     base: torch.Tensor | None  # (S, L) float32
@@ -102,9 +125,10 @@ class SamplerRecords:
       when the sampler's chain did more than temperature (the trainer's pi is that distribution, so the divergence
       compares like with like). The top-K is then taken under mu_base too.
 
-    When the batch is exactly one block in its own layout (one generation call, no tool calls: the usual case), the
-    batch tensors are views of the block, so the records cost (K + 1) x 8 bytes per token once, not twice.
-    `rollout_logprobs` holds GRPOTrainer's float lists after its tool-call stitching, for `batch_tensors`.
+    The sampled log-probability itself is not kept: TRL keeps it. When the batch is exactly one block in its own
+    layout (one generation call, no tool calls: the usual case), the batch tensors are views of the block, so top-K
+    records cost (K + 1) x 8 bytes per token once, not twice. `rollout_logprobs` holds GRPOTrainer's float lists after
+    its tool-call stitching, for `batch_tensors`.
     """
 
     topk: int = 0
@@ -114,30 +138,31 @@ class SamplerRecords:
 
     def add(
         self,
-        sampled_logps: torch.Tensor,
+        shape: tuple[int, int],
         kept_ids: torch.Tensor | None = None,
         kept_logps: torch.Tensor | None = None,
         base_logps: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Store one backend call's records, `(S, L)` per token (padded positions are never read back); returns the
-        sampled log-probabilities `(S, L)` tagged with their rows."""
-        if self.topk and (kept_ids is None or kept_ids.shape != (*sampled_logps.shape, self.topk + 1)):
-            raise ValueError(
-                f"Top-{self.topk} records need kept sets of shape {(*sampled_logps.shape, self.topk + 1)}."
-            )
-        tagged = tag_logps(sampled_logps.reshape(-1), self.rows).view(sampled_logps.shape)
+    ) -> int:
+        """Keep one backend call's records, laid out `shape = (S, L)` per token (positions past a sequence's length are
+        never read back). The store keeps the tensors themselves, moved to the CPU: a caller on the CPU may still
+        fill them. Returns the call's first row: token (s, t) has row first_row + s * L + t, which the sampled
+        log-probabilities handed to TRL carry (`tagged_lists`)."""
+        shape = tuple(shape)
+        if self.topk and (kept_ids is None or kept_ids.shape != (*shape, self.topk + 1)):
+            raise ValueError(f"Top-{self.topk} records need kept sets of shape {(*shape, self.topk + 1)}.")
+        if self.rows + math.prod(shape) >= _ROW_MASK:
+            raise RuntimeError(f"More than {_ROW_MASK - 1} sampled tokens in one generation batch cannot be tagged.")
         cpu = {"device": "cpu"}
-        self._blocks.append(
-            _Block(
-                self.rows,
-                sampled_logps.detach().to(**cpu, dtype=torch.float32),
-                None if kept_ids is None else kept_ids.to(**cpu, dtype=torch.int32),
-                None if kept_logps is None else kept_logps.to(**cpu, dtype=torch.float32),
-                None if base_logps is None else base_logps.detach().to(**cpu, dtype=torch.float32),
-            )
+        block = _Block(
+            self.rows,
+            shape,
+            None if kept_ids is None else kept_ids.to(**cpu, dtype=torch.int32),
+            None if kept_logps is None else kept_logps.to(**cpu, dtype=torch.float32),
+            None if base_logps is None else base_logps.detach().to(**cpu, dtype=torch.float32),
         )
-        self.rows += sampled_logps.numel()
-        return tagged
+        self._blocks.append(block)
+        self.rows += math.prod(shape)
+        return block.first_row
 
     @property
     def has_base(self) -> bool:
@@ -158,23 +183,22 @@ class SamplerRecords:
         if not self.needed:
             return {}
         B, T = completion_ids.shape
-        if self.rows:  # else a custom rollout produced the batch: its floats carry no rows
-            if self.rollout_logprobs is None:
-                raise RuntimeError("The generation batch's log-probability lists were not kept; `_generate` does.")
-            rows = tagged_rows(self.rollout_logprobs, T)
-            if rows.max().item() >= self.rows:
-                raise RuntimeError("A log-probability carries a row this generation batch never recorded.")
-        else:
-            rows = torch.full((B, T), -1, dtype=torch.long)
-        no_row = rows < 0
+        if self.rows and self.rollout_logprobs is None:
+            raise RuntimeError("The generation batch's log-probability lists were not kept; `_generate` does.")
+        # Without rows, a custom rollout produced the batch: its floats carry none
+        logprobs = self.rollout_logprobs if self.rows else None
         block = self._blocks[0] if len(self._blocks) == 1 else None
-        if block is not None and _is_block_layout(rows, no_row, block):
+        no_row = None if logprobs is None or block is None else _rowless_if_block_layout(logprobs, block, T)
+        if no_row is not None:
 
             def take(key: str) -> torch.Tensor:  # a view of the block: no copy
                 return getattr(block, key)[:, :T]
 
         else:
-            index = rows.clamp_min(0).view(-1)
+            rows = torch.full((B, T), -1, dtype=torch.long) if logprobs is None else tagged_rows(logprobs, T)
+            if rows.max().item() >= self.rows:
+                raise RuntimeError("A log-probability carries a row this generation batch never recorded.")
+            no_row, index = rows < 0, rows.clamp_min(0).view(-1)
 
             def take(key: str) -> torch.Tensor:
                 values = _concat(self._blocks, key)
@@ -183,7 +207,10 @@ class SamplerRecords:
         out = {}
         if self.has_base:
             base = take("base")
-            out["sampler_base_logps"] = torch.where(no_row, sampling_logps.cpu(), base)
+            # NaN: a call that recorded no base, whose base is the sampled log-prob, which TRL's float holds
+            own = no_row | base.isnan()
+            base[own] = sampling_logps.cpu()[own]
+            out["sampler_base_logps"] = base
         if self.topk:
             ids, logps = take("kept_ids"), take("kept_logps")
             if no_row.any():
@@ -194,26 +221,30 @@ class SamplerRecords:
         return {key: value.to(completion_ids.device) for key, value in out.items()}
 
 
-def _is_block_layout(rows: torch.Tensor, no_row: torch.Tensor, block: _Block) -> bool:
-    """Whether batch token (b, t) has row first_row + b * L + t wherever it has one (one call, no tool calls)."""
-    S, L = block.sampled.shape
-    B, T = rows.shape
-    if S != B or T > L:
-        return False
-    # In place on `rows` and undone after: no (B, T) int64 transient beside the store
-    offsets = block.first_row + torch.arange(B)[:, None] * L
-    rows.sub_(offsets).sub_(torch.arange(T))
-    aligned = bool(((rows == 0) | no_row).all())
-    rows.add_(torch.arange(T)).add_(offsets)
-    return aligned
+def _rowless_if_block_layout(logprobs: list[list[float]], block: _Block, length: int) -> torch.Tensor | None:
+    """The batch tokens `(B, length)` that carry no row, if each other token (b, t) has row first_row + b * L + t (one
+    call, no tool calls); else None. Read `RUN_TOKENS` at a time: no (B, length) int64 transient."""
+    S, L = block.shape
+    if S != len(logprobs) or length > L:
+        return None
+    no_row = torch.empty((S, length), dtype=torch.bool)
+    run = max(1, RUN_TOKENS // max(length, 1))
+    for start in range(0, S, run):
+        rows = tagged_rows(logprobs[start : start + run], length)
+        rowless = rows < 0
+        expected = block.first_row + torch.arange(start, start + rows.size(0))[:, None] * L + torch.arange(length)
+        if not ((rows == expected) | rowless).all():
+            return None
+        no_row[start : start + rows.size(0)] = rowless
+    return no_row
 
 
 def _concat(blocks: list[_Block], key: str) -> torch.Tensor:
-    """The blocks' `key` records, one per row `(rows, ...)`; a block without base records gives its sampled ones."""
+    """The blocks' `key` records, one per row `(rows, ...)`; a block without base records gives NaN (see the caller)."""
     parts = []
     for block in blocks:
         value = getattr(block, key)
         if value is None:  # only `base` can be missing from some blocks
-            value = block.sampled
+            value = torch.full(block.shape, math.nan)
         parts.append(value.reshape(-1, *value.shape[2:]))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -30,7 +30,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper
 
-from .records import VOID_ID, SamplerRecords, complete_kept_sets_
+from .records import RUN_TOKENS, VOID_ID, SamplerRecords, complete_kept_sets_, tagged_lists
 
 
 __all__ = [
@@ -149,7 +149,6 @@ class SamplerLogprobRecorder:
         if self.topk:
             self._buffers["kept_ids"] = torch.empty(*shape, self.topk + 1, dtype=torch.int32, device=device)
             self._buffers["kept_logps"] = torch.empty(*shape, self.topk + 1, device=device)
-            self._buffers["tokens"] = torch.empty(shape, dtype=torch.int32, device=device)
 
     def _resolve(self, tokens: torch.Tensor) -> None:
         if self._pending is None:
@@ -161,13 +160,14 @@ class SamplerLogprobRecorder:
         sampled = (scores.gather(-1, at_token) - lse).squeeze(-1)
         self._buffers["sampled"][:, step] = sampled
         if base is not None:
-            sampled_base = (base[0].gather(-1, at_token) - base[1]).squeeze(-1)
-            self._buffers["base"][:, step] = sampled_base
+            sampled = (base[0].gather(-1, at_token) - base[1]).squeeze(-1)
+            self._buffers["base"][:, step] = sampled
         if self.topk:  # the top-K the trainer's pi is compared with: under mu_base when it differs
             top_scores, top_ids = (scores if base is None else base[0]).topk(self.topk, dim=-1)
-            self._buffers["kept_ids"][:, step, :-1] = top_ids
-            self._buffers["kept_logps"][:, step, :-1] = top_scores - (lse if base is None else base[1])
-            self._buffers["tokens"][:, step] = tokens  # the last slot is filled once, in `finish`
+            kept_ids, kept_logps = self._buffers["kept_ids"][:, step], self._buffers["kept_logps"][:, step]
+            kept_ids[:, :-1] = top_ids
+            kept_logps[:, :-1] = top_scores - (lse if base is None else base[1])
+            complete_kept_sets_(kept_ids, kept_logps, tokens, sampled)
         self.steps += 1
         self._pending = None
 
@@ -187,18 +187,14 @@ class SamplerLogprobRecorder:
             return [[] for _ in completion_ids]
         records_of = {key: buffer[:, : self.steps] for key, buffer in self._buffers.items()}
         self._buffers = {}
-        if self.topk:
-            sampled_ids = records_of.pop("tokens")
-            sampled = records_of.get("base", records_of["sampled"])
-            complete_kept_sets_(records_of["kept_ids"], records_of["kept_logps"], sampled_ids, sampled)
+        lengths = [len(ids) for ids in completion_ids]  # the steps after a completion ended are padding
         if self.topk or self.with_base:
-            values = records.add(
-                records_of["sampled"], records_of.get("kept_ids"), records_of.get("kept_logps"), records_of.get("base")
-            ).tolist()
-        else:
-            values = records_of["sampled"].cpu().tolist()
-        for row, ids in zip(values, completion_ids, strict=True):
-            del row[len(ids) :]  # the steps after a completion ended (it is padded to the longest)
+            kept = records_of.get("kept_ids"), records_of.get("kept_logps"), records_of.get("base")
+            first_row = records.add(records_of["sampled"].shape, *kept)
+            return list(tagged_lists(records_of["sampled"], lengths, first_row))
+        values = records_of["sampled"].cpu().tolist()
+        for row, length in zip(values, lengths, strict=True):
+            del row[length:]
         return values
 
 
@@ -233,10 +229,6 @@ def recording_generate(model: torch.nn.Module, recorder: SamplerLogprobRecorder)
         yield
     finally:
         del model.generate, generator._get_logits_processor  # back to the class's methods
-
-
-# vLLM output is turned into records this many tokens at a time, which bounds the transient arrays
-_VLLM_CHUNK_TOKENS = 1 << 14
 
 
 def _flat_floats(nested: list, count: int) -> np.ndarray:
@@ -293,25 +285,31 @@ def _flat_kept_sets(outputs: list, topk: int) -> tuple[np.ndarray, ...]:
     return logps[:, 0].copy(), kept_ids, kept_logps
 
 
-def _store_vllm_records(store: SamplerRecords, completion_ids: list, topk: int, read_run: Callable) -> list[float]:
+def _store_vllm_records(
+    store: SamplerRecords, completion_ids: list, topk: int, read_run: Callable
+) -> Iterator[list[float]]:
     """Lay one vLLM call's records out like the padded batch in `store`, reading `read_run(start, end)` (the kept sets
-    of sequences start..end) a run at a time; returns the tagged sampled log-probabilities, in token order."""
-    lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.long)
-    shape = (len(completion_ids), int(lengths.max()) if len(lengths) else 0)
-    filled = torch.arange(shape[1]) < lengths[:, None]  # (sequences, L): the real tokens, in token order
-    sampled = torch.full(shape, math.nan)
+    of sequences start..end) a run at a time as the sequences' sampled log-probabilities, tagged, are taken: a run
+    is read before any of its sequences is yielded, and the store is complete once all are."""
+    lengths = [len(ids) for ids in completion_ids]
+    shape = (len(lengths), max(lengths, default=0))
     kept_ids = torch.full((*shape, topk + 1), VOID_ID, dtype=torch.int32)
     kept_logps = torch.full((*shape, topk + 1), -math.inf)
+    first_row = store.add(shape, kept_ids, kept_logps)
     start = 0
-    while start < len(completion_ids):  # a run of sequences at a time bounds the transient arrays
+    while start < len(lengths):  # a run of sequences at a time bounds the transient arrays
         end, tokens = start, 0
-        while end < len(completion_ids) and (tokens < _VLLM_CHUNK_TOKENS or end == start):
-            tokens += len(completion_ids[end])
+        while end < len(lengths) and (tokens < RUN_TOKENS or end == start):
+            tokens += lengths[end]
             end += 1
-        for block, values in zip((sampled, kept_ids, kept_logps), read_run(start, end), strict=True):
-            block[start:end][filled[start:end]] = torch.from_numpy(values)
+        filled = torch.arange(shape[1]) < torch.tensor(lengths[start:end])[:, None]  # the run's real tokens
+        sampled = torch.full((end - start, shape[1]), math.nan)
+        for block, values in zip(
+            (sampled, kept_ids[start:end], kept_logps[start:end]), read_run(start, end), strict=True
+        ):
+            block[filled] = torch.from_numpy(values)
+        yield from tagged_lists(sampled, lengths[start:end], first_row + start * shape[1])
         start = end
-    return store.add(sampled, kept_ids, kept_logps)[filled].tolist()
 
 
 def record_vllm_logprobs(generate: Callable, topk: int = 0, records: Callable[[], SamplerRecords] | None = None):
@@ -339,8 +337,9 @@ def record_vllm_logprobs(generate: Callable, topk: int = 0, records: Callable[[]
 
         tagged = _store_vllm_records(records(), completion_ids, topk, read_run)
         # Entry 0 of vLLM's own per-token lists (made for this call) takes the record: no new list per token
-        for entry, value in zip(itertools.chain.from_iterable(logprobs), tagged, strict=True):
-            entry[0] = value
+        for entries, values in zip(logprobs, tagged, strict=True):
+            for entry, value in zip(entries, values, strict=True):
+                entry[0] = value
         return prompt_ids, completion_ids, logprobs, logprob_token_ids
 
     return wrapped
@@ -369,15 +368,15 @@ def record_vllm_flat_logprobs(llm_generate: Callable, topk: int, records: Callab
         tagged = _store_vllm_records(
             records(), completion_ids, topk, lambda start, end: _flat_kept_sets(outputs[start:end], topk)
         )
-        width, end = topk + 1, 0
-        for output in outputs:  # vLLM made these lists for this call; slicing them is C-level, per completion
-            entries, n = output.logprobs, len(output.token_ids)
+        width = topk + 1
+        # vLLM made these lists for this call; slicing them is C-level, per completion
+        for output, values in zip(outputs, tagged, strict=True):
+            entries, n = output.logprobs, len(values)
             entries.token_ids = entries.token_ids[::width]
             entries.ranks = entries.ranks[::width]
             entries.decoded_tokens = entries.decoded_tokens[::width]
-            entries.logprobs = tagged[end : end + n]
+            entries.logprobs = values
             entries.start_indices, entries.end_indices = list(range(n)), list(range(1, n + 1))
-            end += n
         return request_outputs
 
     return wrapped
