@@ -28,6 +28,7 @@ new tokens, with no recorder, the binary recorder and the top-K recorder, interl
 
     .venv/bin/python benchmarks/records_scaling.py --out benchmarks/results/records_scaling
     .venv/bin/python benchmarks/records_scaling.py --backends 'vllm colocate' --model-repeats 0  # rerun some rows
+    .venv/bin/python benchmarks/records_scaling.py --backends --model-repeats 5  # rerun the generation part alone
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from trl.generation.vllm_client import VLLMClient  # noqa: E402
 from trl.generation.vllm_generation import extract_logprobs  # noqa: E402
 from trl.trainer.utils import pad  # noqa: E402
 
-from trl_dppo.records import SamplerRecords, complete_kept_sets_  # noqa: E402
+from trl_dppo.records import SamplerRecords  # noqa: E402
 from trl_dppo.rollout import (  # noqa: E402
     SamplerLogprobRecorder,
     record_vllm_flat_logprobs,
@@ -149,8 +150,8 @@ def server_body(lists, topk: int) -> bytes:
 
 
 def recorder_buffers(tokens: int, topk: int, seed: int = 0):
-    """The buffers a `SamplerLogprobRecorder` holds after `generate()` (`(batch, steps, ...)`, the kept sets complete),
-    and the completions."""
+    """The buffers a `SamplerLogprobRecorder` holds after `generate()` (`(batch, steps, ...)`: the top K in the kept
+    sets' first K slots, the last one is filled by `finish`), and the completions."""
     gen = torch.Generator().manual_seed(seed)
     batch = tokens // SEQ_LEN
     completion = torch.randint(VOCAB, (batch, SEQ_LEN), generator=gen)
@@ -162,7 +163,6 @@ def recorder_buffers(tokens: int, topk: int, seed: int = 0):
         top_logps = -torch.rand(batch, SEQ_LEN, topk, generator=gen).sort(-1).values * 8
         buffers["kept_ids"] = torch.cat([top_ids, torch.zeros(batch, SEQ_LEN, 1, dtype=torch.int32)], -1)
         buffers["kept_logps"] = torch.cat([top_logps, torch.zeros(batch, SEQ_LEN, 1)], -1)
-        complete_kept_sets_(buffers["kept_ids"], buffers["kept_logps"], completion, buffers["sampled"])
     return buffers, completion.tolist()
 
 
@@ -519,8 +519,9 @@ def main() -> None:
     parser.add_argument("--model-repeats", type=int, default=3, help="0 skips the SmolLM2 generation part")
     backends = list(dict.fromkeys(case[0] for case in CASES))
     parser.add_argument(
-        "--backends", nargs="+", choices=backends, default=backends,
-        help="a subset reruns those rows and keeps the others (and the generation part) of --out's results.json",
+        "--backends", nargs="*", choices=backends, default=backends,
+        help="a subset reruns those rows and keeps the others (and the generation part, unless rerun) of --out's "
+        "results.json; none reruns the generation part alone",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/records_scaling"))
     args = parser.parse_args()

@@ -187,56 +187,60 @@ class SamplerRecords:
             raise RuntimeError("The generation batch's log-probability lists were not kept; `_generate` does.")
         # Without rows, a custom rollout produced the batch: its floats carry none
         logprobs = self.rollout_logprobs if self.rows else None
+        keys = {"base": "sampler_base_logps"} if self.has_base else {}
+        if self.topk:
+            keys.update(kept_ids="sampler_kept_ids", kept_logps="sampler_kept_logps")
         block = self._blocks[0] if len(self._blocks) == 1 else None
-        no_row = None if logprobs is None or block is None else _rowless_if_block_layout(logprobs, block, T)
-        if no_row is not None:
-
-            def take(key: str) -> torch.Tensor:  # a view of the block: no copy
-                return getattr(block, key)[:, :T]
-
+        if logprobs is not None and block is not None and _in_block_layout(logprobs, block, T):
+            out = {name: getattr(block, key)[:, :T] for key, name in keys.items()}  # views of the block: no copy
+            row_runs = _row_runs(logprobs, T)  # read again, rather than keep a (B, T) mask from the check
         else:
             rows = torch.full((B, T), -1, dtype=torch.long) if logprobs is None else tagged_rows(logprobs, T)
             if rows.max().item() >= self.rows:
                 raise RuntimeError("A log-probability carries a row this generation batch never recorded.")
-            no_row, index = rows < 0, rows.clamp_min(0).view(-1)
-
-            def take(key: str) -> torch.Tensor:
+            index = rows.clamp_min(0).view(-1)
+            out = {}
+            for key, name in keys.items():
                 values = _concat(self._blocks, key)
-                return values[index].view(B, T, *values.shape[1:])
-
-        out = {}
-        if self.has_base:
-            base = take("base")
-            # NaN: a call that recorded no base, whose base is the sampled log-prob, which TRL's float holds
-            own = no_row | base.isnan()
-            base[own] = sampling_logps.cpu()[own]
-            out["sampler_base_logps"] = base
-        if self.topk:
-            ids, logps = take("kept_ids"), take("kept_logps")
-            if no_row.any():
-                ids.masked_fill_(no_row[..., None], VOID_ID)
-                logps.masked_fill_(no_row[..., None], -math.inf)
-            out["sampler_kept_ids"], out["sampler_kept_logps"] = ids, logps
+                out[name] = values[index].view(B, T, *values.shape[1:])
+            row_runs = [(0, rows)]
+        sampling_logps = sampling_logps.cpu() if self.has_base else sampling_logps  # only a base reads it
+        for start, rows in row_runs:
+            _clear_rowless_(out, rows < 0, sampling_logps, start)
         self._blocks.clear()
         return {key: value.to(completion_ids.device) for key, value in out.items()}
 
 
-def _rowless_if_block_layout(logprobs: list[list[float]], block: _Block, length: int) -> torch.Tensor | None:
-    """The batch tokens `(B, length)` that carry no row, if each other token (b, t) has row first_row + b * L + t (one
-    call, no tool calls); else None. Read `RUN_TOKENS` at a time: no (B, length) int64 transient."""
+def _row_runs(logprobs: list[list[float]], length: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """The rows `(n, length)` of the batch tokens (`tagged_rows`), a run of `n` sequences from `start` at a time."""
+    run = max(1, RUN_TOKENS // max(length, 1))
+    for start in range(0, len(logprobs), run):
+        yield start, tagged_rows(logprobs[start : start + run], length)
+
+
+def _in_block_layout(logprobs: list[list[float]], block: _Block, length: int) -> bool:
+    """Whether each batch token (b, t) that has a row has row first_row + b * L + t (one call, no tool calls)."""
     S, L = block.shape
     if S != len(logprobs) or length > L:
-        return None
-    no_row = torch.empty((S, length), dtype=torch.bool)
-    run = max(1, RUN_TOKENS // max(length, 1))
-    for start in range(0, S, run):
-        rows = tagged_rows(logprobs[start : start + run], length)
-        rowless = rows < 0
+        return False
+    for start, rows in _row_runs(logprobs, length):
         expected = block.first_row + torch.arange(start, start + rows.size(0))[:, None] * L + torch.arange(length)
-        if not ((rows == expected) | rowless).all():
-            return None
-        no_row[start : start + rows.size(0)] = rowless
-    return no_row
+        if not ((rows == expected) | (rows < 0)).all():
+            return False
+    return True
+
+
+def _clear_rowless_(out: dict[str, torch.Tensor], rowless: torch.Tensor, sampling_logps: torch.Tensor, start: int):
+    """Batch tokens `start ..` without a row (`rowless` `(n, T)`: tool results, padding) get empty kept sets and TRL's
+    own float as base, in place; so does a base left NaN by a call that recorded none (its base is the sampled one)."""
+    end = start + rowless.size(0)
+    if "sampler_base_logps" in out:
+        base = out["sampler_base_logps"][start:end]
+        own = rowless | base.isnan()
+        base[own] = sampling_logps[start:end][own]
+    if "sampler_kept_ids" in out and rowless.any():
+        out["sampler_kept_ids"][start:end].masked_fill_(rowless[..., None], VOID_ID)
+        out["sampler_kept_logps"][start:end].masked_fill_(rowless[..., None], -math.inf)
 
 
 def _concat(blocks: list[_Block], key: str) -> torch.Tensor:

@@ -157,17 +157,13 @@ class SamplerLogprobRecorder:
             raise RuntimeError(f"generate() sampled more than the {self.max_steps} new tokens it was configured for.")
         (scores, lse), base = self._pending
         step, at_token = self.steps, tokens[:, None]
-        sampled = (scores.gather(-1, at_token) - lse).squeeze(-1)
-        self._buffers["sampled"][:, step] = sampled
+        self._buffers["sampled"][:, step] = (scores.gather(-1, at_token) - lse).squeeze(-1)
         if base is not None:
-            sampled = (base[0].gather(-1, at_token) - base[1]).squeeze(-1)
-            self._buffers["base"][:, step] = sampled
+            self._buffers["base"][:, step] = (base[0].gather(-1, at_token) - base[1]).squeeze(-1)
         if self.topk:  # the top-K the trainer's pi is compared with: under mu_base when it differs
             top_scores, top_ids = (scores if base is None else base[0]).topk(self.topk, dim=-1)
-            kept_ids, kept_logps = self._buffers["kept_ids"][:, step], self._buffers["kept_logps"][:, step]
-            kept_ids[:, :-1] = top_ids
-            kept_logps[:, :-1] = top_scores - (lse if base is None else base[1])
-            complete_kept_sets_(kept_ids, kept_logps, tokens, sampled)
+            self._buffers["kept_ids"][:, step, :-1] = top_ids  # the last slot is filled in `finish`, all at once
+            self._buffers["kept_logps"][:, step, :-1] = top_scores - (lse if base is None else base[1])
         self.steps += 1
         self._pending = None
 
@@ -188,6 +184,8 @@ class SamplerLogprobRecorder:
         records_of = {key: buffer[:, : self.steps] for key, buffer in self._buffers.items()}
         self._buffers = {}
         lengths = [len(ids) for ids in completion_ids]  # the steps after a completion ended are padding
+        if self.topk:
+            _complete_recorded_kept_sets_(records_of, completion_ids, lengths)
         if self.topk or self.with_base:
             kept = records_of.get("kept_ids"), records_of.get("kept_logps"), records_of.get("base")
             first_row = records.add(records_of["sampled"].shape, *kept)
@@ -196,6 +194,25 @@ class SamplerLogprobRecorder:
         for row, length in zip(values, lengths, strict=True):
             del row[length:]
         return values
+
+
+def _complete_recorded_kept_sets_(records_of: dict[str, torch.Tensor], completion_ids: list, lengths: list[int]):
+    """Fill the recorder's kept sets' last slot from the sampled tokens, a run of completions at a time (once per
+    `generate()` rather than a few small kernels per step; padding steps get an empty slot)."""
+    kept_ids, kept_logps = records_of["kept_ids"], records_of["kept_logps"]
+    sampled_logps = records_of.get("base", records_of["sampled"])
+    steps = kept_ids.size(1)
+    run = max(1, RUN_TOKENS // max(steps, 1))
+    for start in range(0, len(completion_ids), run):
+        end = min(start + run, len(completion_ids))
+        filled = torch.arange(steps) < torch.tensor(lengths[start:end])[:, None]
+        tokens = torch.full(filled.shape, VOID_ID, dtype=torch.int32)
+        count = sum(lengths[start:end])
+        tokens[filled] = torch.from_numpy(
+            np.fromiter(itertools.chain.from_iterable(completion_ids[start:end]), dtype=np.int32, count=count)
+        )
+        tokens = tokens.to(kept_ids.device)
+        complete_kept_sets_(kept_ids[start:end], kept_logps[start:end], tokens, sampled_logps[start:end])
 
 
 @contextmanager
