@@ -4,8 +4,9 @@ GRPOTrainer threads the sampler's per-token log-probabilities through its rollou
 stitches tool calls (`logprobs += [0.0] * tool_len + post_tool`), truncates with slices and finally pads them into the
 float32 tensor `sampling_per_token_logps`. DPPO needs more per token (the sampler's top-K for the top-K divergence,
 the untruncated log mu for truncated sampling), and one Python object per token costs hundreds of bytes and
-microseconds. So the extra records live in one `SamplerRecords` per generation batch, as tensors built in one
-vectorised pass per backend call, and each float handed to TRL carries its token's row in that store:
+microseconds. So the extra records live in one `SamplerRecords` per generation batch, as tensors filled by vectorised
+passes over runs of `RUN_TOKENS` tokens (nothing batch-sized is made beside them), and each float handed to TRL
+carries its token's row in that store:
 
 A sampled log-probability is a float32 value, so as a Python float (float64) the low 29 bits of its mantissa are zero.
 `tag_logps` writes row + 1 into the low 28 of them. Rounding to float32 drops those bits exactly (they weigh less than
