@@ -5,8 +5,8 @@ stitches tool calls (`logprobs += [0.0] * tool_len + post_tool`), truncates with
 float32 tensor `sampling_per_token_logps`. DPPO needs more per token (the sampler's top-K for the top-K divergence,
 the untruncated log mu for truncated sampling), and one Python object per token costs hundreds of bytes and
 microseconds. So the extra records live in one `SamplerRecords` per generation batch, as tensors filled by vectorised
-passes over runs of `RUN_TOKENS` tokens (nothing batch-sized is made beside them), and each float handed to TRL
-carries its token's row in that store:
+passes over runs of about `RUN_TOKENS` tokens (`runs_of_sequences`: nothing batch-sized is made beside them), and
+each float handed to TRL carries its token's row in that store:
 
 A sampled log-probability is a float32 value, so as a Python float (float64) the low 29 bits of its mantissa are zero.
 `tag_logps` writes row + 1 into the low 28 of them. Rounding to float32 drops those bits exactly (they weigh less than
@@ -33,6 +33,7 @@ __all__ = [
     "VOID_ID",
     "SamplerRecords",
     "complete_kept_sets_",
+    "runs_of_sequences",
     "tag_logps",
     "tagged_lists",
     "tagged_rows",
@@ -45,6 +46,14 @@ ROW_BITS = 28
 _ROW_MASK = (1 << ROW_BITS) - 1
 # Passes over a whole generation batch go this many tokens at a time, which bounds their transient memory
 RUN_TOKENS = 1 << 12
+
+
+def runs_of_sequences(count: int, length: int) -> Iterator[tuple[int, int]]:
+    """`(start, end)` runs of `count` sequences padded to `length`: about `RUN_TOKENS` padded tokens a run, at least
+    one sequence."""
+    run = max(1, RUN_TOKENS // max(length, 1))
+    for start in range(0, count, run):
+        yield start, min(start + run, count)
 
 
 def tag_logps(logps: torch.Tensor, first_row: int) -> torch.Tensor:
@@ -63,10 +72,9 @@ def tagged_lists(logps: torch.Tensor, lengths: Sequence[int], first_row: int) ->
     """Each sequence's log-probabilities `(S, L)`, cut to its length, as floats carrying rows `first_row + s * L + t`;
     tagged `RUN_TOKENS` at a time as the lists are taken."""
     S, L = logps.shape
-    run = max(1, RUN_TOKENS // max(L, 1))
-    for start in range(0, S, run):
-        values = tag_logps(logps[start : start + run].reshape(-1), first_row + start * L).view(-1, L).tolist()
-        for row, length in zip(values, lengths[start : start + run], strict=True):
+    for start, end in runs_of_sequences(S, L):
+        values = tag_logps(logps[start:end].reshape(-1), first_row + start * L).view(-1, L).tolist()
+        for row, length in zip(values, lengths[start:end], strict=True):
             del row[length:]
             yield row
 
@@ -104,7 +112,7 @@ def complete_kept_sets_(
 
 @dataclass
 class _Block:
-    """One backend call's records, laid out `shape = (sequences, L)` like a padded batch: row = first_row + s * L + t."""
+    """One backend call's records, laid out `shape = (sequences, L)` like a padded batch: row first_row + s * L + t."""
 
     first_row: int
     shape: tuple[int, int]
@@ -214,9 +222,8 @@ class SamplerRecords:
 
 def _row_runs(logprobs: list[list[float]], length: int) -> Iterator[tuple[int, torch.Tensor]]:
     """The rows `(n, length)` of the batch tokens (`tagged_rows`), a run of `n` sequences from `start` at a time."""
-    run = max(1, RUN_TOKENS // max(length, 1))
-    for start in range(0, len(logprobs), run):
-        yield start, tagged_rows(logprobs[start : start + run], length)
+    for start, end in runs_of_sequences(len(logprobs), length):
+        yield start, tagged_rows(logprobs[start:end], length)
 
 
 def _in_block_layout(logprobs: list[list[float]], block: _Block, length: int) -> bool:

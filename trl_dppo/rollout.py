@@ -30,7 +30,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper
 
-from .records import RUN_TOKENS, VOID_ID, SamplerRecords, complete_kept_sets_, tagged_lists
+from .records import VOID_ID, SamplerRecords, complete_kept_sets_, runs_of_sequences, tagged_lists
 
 
 __all__ = [
@@ -202,9 +202,7 @@ def _complete_recorded_kept_sets_(records_of: dict[str, torch.Tensor], completio
     kept_ids, kept_logps = records_of["kept_ids"], records_of["kept_logps"]
     sampled_logps = records_of.get("base", records_of["sampled"])
     steps = kept_ids.size(1)
-    run = max(1, RUN_TOKENS // max(steps, 1))
-    for start in range(0, len(completion_ids), run):
-        end = min(start + run, len(completion_ids))
+    for start, end in runs_of_sequences(len(completion_ids), steps):
         filled = torch.arange(steps) < torch.tensor(lengths[start:end])[:, None]
         tokens = torch.full(filled.shape, VOID_ID, dtype=torch.int32)
         count = sum(lengths[start:end])
@@ -313,12 +311,7 @@ def _store_vllm_records(
     kept_ids = torch.full((*shape, topk + 1), VOID_ID, dtype=torch.int32)
     kept_logps = torch.full((*shape, topk + 1), -math.inf)
     first_row = store.add(shape, kept_ids, kept_logps)
-    start = 0
-    while start < len(lengths):  # a run of sequences at a time bounds the transient arrays
-        end, tokens = start, 0
-        while end < len(lengths) and (tokens < RUN_TOKENS or end == start):
-            tokens += lengths[end]
-            end += 1
+    for start, end in runs_of_sequences(*shape):  # a run of sequences at a time bounds the transient arrays
         filled = torch.arange(shape[1]) < torch.tensor(lengths[start:end])[:, None]  # the run's real tokens
         sampled = torch.full((end - start, shape[1]), math.nan)
         for block, values in zip(
@@ -326,7 +319,6 @@ def _store_vllm_records(
         ):
             block[filled] = torch.from_numpy(values)
         yield from tagged_lists(sampled, lengths[start:end], first_row + start * shape[1])
-        start = end
 
 
 def record_vllm_logprobs(generate: Callable, topk: int = 0, records: Callable[[], SamplerRecords] | None = None):

@@ -220,10 +220,10 @@ def format_summary(summary: Mapping[str, Any]) -> str:
 def _close_process_group() -> None:
     """End torch.distributed's default group, if this process has one, once every process got here.
 
-    Every job ends with this (`run_job`): under `accelerate launch`, a gloo process that exits with its group alive can abort at
-    interpreter shutdown ("terminate called without an active exception", pytorch/pytorch#190489) after a run that
-    succeeded, and the launcher then reports the whole run as failed. Called only after a successful run: destroying
-    the group while another process is still inside a collective would hang instead.
+    Every job ends with this (`run_job`): under `accelerate launch`, a gloo process that exits with its group alive
+    can abort at interpreter shutdown ("terminate called without an active exception", pytorch/pytorch#190489) after
+    a run that succeeded, and the launcher then reports the whole run as failed. Called only after a successful run:
+    destroying the group while another process is still inside a collective would hang instead.
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         gc.collect()  # the finished trainer's DDP wrapper holds the group too: freed now, the group ends with this call
