@@ -40,7 +40,7 @@ MAIN_JOB = dict(
 )
 VARIANTS = {
     "grpo_clip_higher": dict(trainer="grpo", config=dict(MAIN_JOB, epsilon=0.2, epsilon_high=0.28)),
-    "dppo_tv": dict(trainer="dppo", config=dict(MAIN_JOB, divergence="binary_tv", delta=0.15)),
+    "dppo_tv": dict(trainer="dppo", config=dict(MAIN_JOB, divergence="binary_tv", divergence_delta=0.15)),
 }
 LEVELS = (0.3, 0.4, 0.5, 0.6, 0.7)
 

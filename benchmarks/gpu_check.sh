@@ -60,7 +60,7 @@ variants = {
                                  config=dict(base, vllm_importance_sampling_correction=True)),
     "dppo binary_tv": dict(trainer="dppo", model=model, warmup=2, steps=8, config=base),
     "dppo topk_kl K=20": dict(trainer="dppo", model=model, warmup=2, steps=8,
-                              config=dict(base, divergence="topk_kl", topk=20)),
+                              config=dict(base, divergence="topk_kl", divergence_topk=20)),
 }
 summary = run_variants(variants, 1, out / "gpu_dppo_vs_grpo.json")
 text = (f"# GPU: {torch.cuda.get_device_name()} — {model}, vLLM colocate\n\n"

@@ -117,7 +117,7 @@ def train_variant(model_dir: str, out_dir: str, device: str, smoke: bool, datase
         model=model_dir, reward_funcs=length_reward, args=DPPOConfig(**settings), train_dataset=dataset
     )
     start = time.perf_counter()
-    spy = kept_set_spy(trainer) if trainer.topk else contextlib.nullcontext(([], []))
+    spy = kept_set_spy(trainer) if trainer.args.recorded_topk else contextlib.nullcontext(([], []))
     with spy as (_, kept_gaps):
         trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -169,7 +169,7 @@ def alignment(model_dir: str, out: Path, device: str, smoke: bool) -> bool:
     dataset = arithmetic_dataset(16 if smoke else 48, seed=0)
     result = {"versions": versions(), "aligned_below": ALIGNED, "peaked_above": PEAKED}
     result["mean_top_probability"] = mean_top_probability(model_dir, device, dataset[:8]["prompt"], 8 if smoke else 32)
-    topk = dict(divergence="topk_kl", topk=20)
+    topk = dict(divergence="topk_kl", divergence_topk=20)
     variants = {  # name: (settings, how it is judged)
         "fp32 binary_tv lr 0": (dict(divergence="binary_tv"), judge_aligned),
         "fp32 topk_kl K=20 lr 0": (topk, judge_aligned),

@@ -37,14 +37,14 @@ from curves import commands_section, fmt, levels_reached, load_runs, mean_of, pl
 from harness import ROOT
 from stability import ENV, RUNS, run_logged
 
-from trl_dppo.trainer import MU_BUCKETS
+from trl_dppo.diagnostics import MU_BUCKETS
 
 
 RESULTS = ROOT / "benchmarks" / "results"
 METHODS: dict[str, list[str]] = {
     "grpo_clip_higher": ["--trust_region", "grpo", "--epsilon", "0.2", "--epsilon_high", "0.28"],
     "relaxed_clip": [
-        "--trust_region", "relaxed_clip", "--epsilon", "0.2", "--epsilon_high", "0.28", "--relaxed_clip_below", "0.1",
+        "--trust_region", "relaxed_clip", "--epsilon", "0.2", "--epsilon_high", "0.28", "--trust_region_kwargs", '{"alpha": 0.1}',
     ],
     "dppo_tv": ["--trust_region", "dppo", "--divergence", "binary_tv", "--delta", "0.15"],
 }  # fmt: skip

@@ -210,7 +210,8 @@ def to_batch(records, logprobs, completions):
     sampling = trl_padding(logprobs)
     if records.needed:
         records.rollout_logprobs = logprobs
-    batch = records.batch_tensors(completions, sampling)
+    loss_mask = torch.arange(sampling.size(1)) < torch.tensor([len(logps) for logps in logprobs])[:, None]
+    batch = records.batch_tensors(completions, sampling, loss_mask)
     return [sampling, *batch.values()]
 
 

@@ -124,7 +124,7 @@ def check(model_dir: str, out_json: str) -> None:
         logging_steps=1,
         save_strategy="no",
         divergence="topk_kl",
-        topk=20,
+        divergence_topk=20,
         seed=0,
     )
     trainer = DPPOTrainer(

@@ -44,7 +44,7 @@ ENV = {**TRIAL_ENV, "VLLM_CPU_KVCACHE_SPACE": "2"}
 # The ladder, one variable at a time (trl_dppo/trust_regions.py and the README have each weight's equation)
 METHODS: dict[str, list[str]] = {
     "pg_is": ["--trust_region", "pg_is"],
-    "cispo": ["--trust_region", "cispo", "--ratio_cap", "10"],
+    "cispo": ["--trust_region", "cispo", "--trust_region_kwargs", '{"ratio_cap": 10}'],
     "grpo": ["--trust_region", "grpo", "--epsilon", "0.2"],
     "minirl": ["--trust_region", "minirl", "--epsilon", "0.2"],
     "dppo_tv": ["--trust_region", "dppo", "--divergence", "binary_tv", "--delta", "0.15"],

@@ -26,7 +26,7 @@ CONFIG = dict(
     learning_rate=1e-4,
     generation_kwargs={"min_new_tokens": 32},
 )
-TOPK = dict(CONFIG, divergence="topk_kl", topk=20)
+TOPK = dict(CONFIG, divergence="topk_kl", divergence_topk=20)
 
 
 def tiny_model(path: Path) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from pathlib import Path
 
@@ -19,6 +20,41 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassifi
 
 from trl_dppo import DPPOConfig, DPPOTrainer
 from trl_dppo.jobs.default_model import smollm2_tokenizer
+
+
+# One ulp of 1.0 in float32 (2**-23); an ulp of x is at most EPS32 * |x|
+EPS32 = torch.finfo(torch.float32).eps
+# The largest logit of build_tiny_model's models (head_scale 30): 17.2 measured on random prompts; 20 bounds it
+TINY_LOGIT_SIZE = 20.0
+
+
+def log_softmax_atol(vocab_size: int, magnitude: float) -> float:
+    """How far two float32 computations of log-softmax over `vocab_size` logits may differ, at log-probabilities of
+    size up to `magnitude`, on any CPU.
+
+    Both compute z - max - log(sum_i exp(z_i - max)). The sum of V positive terms, reduced in another order (another
+    SIMD width or blocking: AVX2, AVX-512, NEON, or another kernel), moves by O(log2 V) ulps relative, so its log by
+    O(log2 V) ulps absolute; the subtractions round to an ulp of their larger operand, at most max(magnitude, log V).
+    4 * log2(V) ulps of that size bounds both with room to spare (seen: 11 ulps at |log p| = 11, V = 49,152, i.e.
+    0.7 log2 V), and stays well below a wrong mu (1e-3 and up): 8e-5 at |log p| = 11 for SmolLM2's vocabulary.
+    """
+    return 4 * math.log2(vocab_size) * EPS32 * max(magnitude, math.log(vocab_size))
+
+
+def forward_logprob_atol(vocab_size: int, magnitude: float, hidden_size: int, num_layers: int, logit_size: float):
+    """How far two float32 forward passes of one model may put the same token's log-probability apart: the sampler's
+    (cached, a token at a time) and the trainer's (the whole sequence at once). On top of the log-softmax
+    (`log_softmax_atol`), each layer's dot products over `hidden_size` terms are summed in another order, O(sqrt(H))
+    ulps of the logits' size per layer; 4 of those per layer. For build_tiny_model's models (H = 32, 2 layers, logits
+    within 20) at |log p| <= 11: 1.7e-4, six times below a wrong mu of 1e-3 (seen: 4e-6)."""
+    reassociation = 4 * num_layers * math.sqrt(hidden_size) * EPS32 * logit_size
+    return log_softmax_atol(vocab_size, magnitude) + reassociation
+
+
+def tiny_model_logprob_atol(tokenizer, logps: torch.Tensor) -> float:
+    """`forward_logprob_atol` for build_tiny_model's default model at the finite log-probabilities `logps`."""
+    magnitude = logps[torch.isfinite(logps)].abs().max().item()
+    return forward_logprob_atol(len(tokenizer), magnitude, 32, 2, TINY_LOGIT_SIZE)
 
 
 @pytest.fixture(scope="session")

@@ -81,7 +81,7 @@ def train(name: str, settings: dict, batch: dict, model_dir: str, output_dir: st
         save_strategy="no",
         seed=0,
         divergence=settings["divergence"],
-        topk=TOPK,
+        divergence_topk=TOPK,
         loss_type=settings["loss_type"],
         log_tokens_by_mu=True,
     )
@@ -111,7 +111,7 @@ def train(name: str, settings: dict, batch: dict, model_dir: str, output_dir: st
         "before": before,
         "update": {n: p.detach() - before[n] for n, p in trainable.items()},
         "logs": logs,
-        "masked_token_counts": {s: dict(c) for s, c in trainer._masked_token_counts_over_processes().items()},
+        "masked_token_counts": {s: dict(c) for s, c in trainer.diagnostics.counts_over_processes().items()},
     }
 
 

@@ -107,12 +107,14 @@ def test_quantization_config_reaches_the_trainer(monkeypatch, tmp_path):
     assert seen["quantization_config"].load_in_4bit
 
 
-def test_old_experimental_dppo_flags_name_the_new_ones(tmp_path):
+def test_flags_that_are_gone_name_what_to_write_instead(tmp_path):
     config = tmp_path / "old.yaml"
     config.write_text("clip_ratio_c: 20.0\n")
     with pytest.raises(ValueError, match="--divergence_type is now --divergence"):
         main(["math", "--divergence_type", "binary_kl"])
-    with pytest.raises(ValueError, match="--clip_ratio_c is now --ratio_cap"):
+    with pytest.raises(ValueError, match="--topk is now --divergence_topk"):
+        main(["math", "--topk", "5"])
+    with pytest.raises(ValueError, match='--clip_ratio_c is now --trust_region_kwargs {"ratio_cap": C}'):
         main(["math", "--config", str(config)])
 
 

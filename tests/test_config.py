@@ -13,11 +13,12 @@ from trl_dppo import DPPOConfig
 
 DPPO_FIELDS = (
     "divergence",
-    "delta",
+    "divergence_delta",
     "delta_low",
     "delta_high",
-    "topk",
-    "ratio_cap",
+    "divergence_topk",
+    "trust_region",
+    "trust_region_kwargs",
     "vllm_importance_sampling_correction",
     "loss_type",
     "importance_sampling_level",
@@ -38,11 +39,11 @@ def make_config(tmp_path):
 
 def test_defaults(make_config):
     config = make_config()
-    assert config.divergence == "binary_tv"
-    assert config.delta == config.delta_low == config.delta_high == 0.15
-    assert config.topk == 20
-    assert config.ratio_cap == 10.0
-    assert (config.trust_region, config.relaxed_clip_below, config.log_tokens_by_mu) == ("dppo", 0.1, False)
+    assert config.divergence == "binary_tv" and (config.divergence_kind, config.recorded_topk) == ("tv", 0)
+    assert config.divergence_delta == config.delta_low == config.delta_high == 0.15
+    assert config.delta is None  # GRPOConfig's two-sided ratio clip, unused
+    assert config.divergence_topk == 20
+    assert (config.trust_region, config.trust_region_kwargs, config.log_tokens_by_mu) == ("dppo", None, False)
     assert config.vllm_importance_sampling_correction is False
     assert config.loss_type == "dapo" == GRPOConfig.loss_type
     assert config.importance_sampling_level == "token"
@@ -53,40 +54,51 @@ def test_defaults(make_config):
 )
 def test_default_delta_is_015_for_tv_and_005_for_kl(make_config, divergence, delta):
     config = make_config(divergence=divergence)
-    assert config.delta == config.delta_low == config.delta_high == delta
+    assert config.divergence_delta == config.delta_low == config.delta_high == delta
 
 
-def test_delta_low_and_delta_high_default_to_delta(make_config):
-    config = make_config(delta=0.3)
+@pytest.mark.parametrize(
+    ("divergence", "kind", "recorded"),
+    [("binary_tv", "tv", 0), ("binary_kl", "kl", 0), ("topk_tv", "tv", 7), ("topk_kl", "kl", 7)],
+)
+def test_the_divergences_kind_and_recorded_k_are_properties_of_the_config(make_config, divergence, kind, recorded):
+    config = make_config(divergence=divergence, divergence_topk=7)
+    assert (config.divergence_kind, config.recorded_topk) == (kind, recorded)
+
+
+def test_delta_low_and_delta_high_default_to_divergence_delta(make_config):
+    config = make_config(divergence_delta=0.3)
     assert config.delta_low == config.delta_high == 0.3
 
 
 def test_delta_low_and_delta_high_can_be_set_apart(make_config):
-    config = make_config(delta=0.2, delta_low=0.1, delta_high=0.25)
-    assert (config.delta, config.delta_low, config.delta_high) == (0.2, 0.1, 0.25)
+    config = make_config(divergence_delta=0.2, delta_low=0.1, delta_high=0.25)
+    assert (config.divergence_delta, config.delta_low, config.delta_high) == (0.2, 0.1, 0.25)
     config = make_config(delta_high=0.3)
-    assert (config.delta, config.delta_low, config.delta_high) == (0.15, 0.15, 0.3)
+    assert (config.divergence_delta, config.delta_low, config.delta_high) == (0.15, 0.15, 0.3)
 
 
 @pytest.mark.parametrize("epsilon", [0.05, 0.2, 0.3])
 @pytest.mark.parametrize(("divergence", "delta"), [("binary_tv", 0.15), ("binary_kl", 0.05)])
-def test_epsilon_is_never_copied_into_delta(make_config, epsilon, divergence, delta):
+def test_epsilon_is_never_copied_into_the_thresholds(make_config, epsilon, divergence, delta):
     config = make_config(divergence=divergence, epsilon=epsilon, epsilon_high=epsilon + 0.08)
-    assert config.delta == config.delta_low == config.delta_high == delta
+    assert config.divergence_delta == config.delta_low == config.delta_high == delta
 
 
-def test_ratio_cap_none_disables_the_cap(make_config):
-    assert make_config(ratio_cap=None).ratio_cap is None
-    assert make_config(ratio_cap=1.0).ratio_cap == 1.0
+def test_dppo_has_no_ratio_cap_by_default_as_in_the_paper_and_takes_one_through_its_kwargs(make_config):
+    """The paper's U1 gives DPPO C = infinity; a cap is the method's own setting."""
+    assert make_config().trust_region_settings == {"delta_low": 0.15, "delta_high": 0.15, "ratio_cap": None}
+    capped = make_config(trust_region_kwargs={"ratio_cap": 1.0})
+    assert capped.trust_region_settings["ratio_cap"] == 1.0
 
 
 def test_kl_thresholds_may_exceed_one(make_config):
     """Only total variation is bounded by 1."""
-    assert make_config(divergence="binary_kl", delta=2.0).delta == 2.0
+    assert make_config(divergence="binary_kl", divergence_delta=2.0).delta_low == 2.0
 
 
-def test_topk_is_not_validated_for_binary_divergences(make_config):
-    assert make_config(divergence="binary_tv", topk=0).topk == 0
+def test_divergence_topk_is_not_validated_for_binary_divergences(make_config):
+    assert make_config(divergence="binary_tv", divergence_topk=0).recorded_topk == 0
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
@@ -103,7 +115,7 @@ def test_unknown_divergence_is_rejected_with_the_valid_choices(make_config, dive
         make_config(divergence=divergence)
 
 
-@pytest.mark.parametrize("field", ["delta", "delta_low", "delta_high"])
+@pytest.mark.parametrize("field", ["divergence_delta", "delta_low", "delta_high"])
 @pytest.mark.parametrize("value", [0.0, -0.1, float("nan")])
 @pytest.mark.parametrize("divergence", ["binary_tv", "topk_kl"])
 def test_non_positive_threshold_is_rejected(make_config, field, value, divergence):
@@ -111,7 +123,7 @@ def test_non_positive_threshold_is_rejected(make_config, field, value, divergenc
         make_config(divergence=divergence, **{field: value})
 
 
-@pytest.mark.parametrize("field", ["delta", "delta_low", "delta_high"])
+@pytest.mark.parametrize("field", ["divergence_delta", "delta_low", "delta_high"])
 @pytest.mark.parametrize("value", [1.0, 1.5])
 @pytest.mark.parametrize("divergence", ["binary_tv", "topk_tv"])
 def test_tv_threshold_of_one_or_more_is_rejected(make_config, field, value, divergence):
@@ -122,14 +134,20 @@ def test_tv_threshold_of_one_or_more_is_rejected(make_config, field, value, dive
 @pytest.mark.parametrize("topk", [0, -3])
 @pytest.mark.parametrize("divergence", ["topk_tv", "topk_kl"])
 def test_topk_below_one_is_rejected_for_topk_divergences(make_config, topk, divergence):
-    with pytest.raises(ValueError, match="topk must be a positive integer"):
-        make_config(divergence=divergence, topk=topk)
+    with pytest.raises(ValueError, match="divergence_topk must be a positive integer"):
+        make_config(divergence=divergence, divergence_topk=topk)
 
 
+@pytest.mark.parametrize("trust_region", ["dppo", "cispo"])
 @pytest.mark.parametrize("ratio_cap", [0.5, 0.0, -1.0])
-def test_ratio_cap_below_one_is_rejected(make_config, ratio_cap):
+def test_ratio_cap_below_one_is_rejected(make_config, trust_region, ratio_cap):
     with pytest.raises(ValueError, match=r"ratio_cap must be >= 1 or None"):
-        make_config(ratio_cap=ratio_cap)
+        make_config(trust_region=trust_region, trust_region_kwargs={"ratio_cap": ratio_cap})
+
+
+def test_grpos_two_sided_clip_delta_is_rejected_naming_dppos_threshold(make_config):
+    with pytest.raises(ValueError, match=r"delta=0\.2 is GRPOConfig's two-sided ratio clip.*`divergence_delta`"):
+        make_config(delta=0.2)
 
 
 def test_vllm_importance_sampling_correction_is_rejected(make_config):
@@ -147,6 +165,12 @@ def test_sequence_level_importance_sampling_is_rejected(make_config, level):
 def test_trust_region_loss_types_are_rejected(make_config, loss_type):
     with pytest.raises(ValueError, match=rf"loss_type='{loss_type}'.*Use one of .*'dapo'"):
         make_config(loss_type=loss_type)
+
+
+def test_the_cispo_loss_type_is_refused_pointing_to_the_cispo_trust_region(make_config):
+    with pytest.raises(ValueError, match="For CISPO as a baseline in DPPO's ladder, use trust_region='cispo'"):
+        make_config(loss_type="cispo")
+    assert make_config(trust_region="cispo").trust_region_settings == {"ratio_cap": 3.0}
 
 
 def test_off_policy_mask_threshold_is_rejected(make_config):
@@ -169,7 +193,9 @@ def test_is_a_grpo_config_subclass():
 
 
 def test_round_trips_through_to_dict(make_config):
-    config = make_config(divergence="topk_kl", delta_low=0.02, delta_high=0.08, topk=7, ratio_cap=None)
+    config = make_config(
+        divergence="topk_kl", delta_low=0.02, delta_high=0.08, divergence_topk=7, trust_region_kwargs={"ratio_cap": 5}
+    )
     as_dict = config.to_dict()
     # GRPOConfig derives generation_batch_size from steps_per_generation in __post_init__ and rejects receiving both,
     # so only one of the pair is passed back (TrainingArguments itself accepts every other key of to_dict()).
@@ -177,20 +203,33 @@ def test_round_trips_through_to_dict(make_config):
     restored = DPPOConfig(**as_dict)
     for name in DPPO_FIELDS:
         assert getattr(restored, name) == getattr(config, name), name
-    assert restored.delta == 0.05
+    assert restored.divergence_delta == 0.05
 
 
 def test_hf_argument_parser_reads_the_dppo_fields(tmp_path):
     parser = HfArgumentParser(DPPOConfig)
     (config,) = parser.parse_args_into_dataclasses(
         args=[
-            "--output_dir", str(tmp_path), "--report_to", "none", "--bf16", "False",
-            "--divergence", "topk_tv", "--delta", "0.2", "--delta_low", "0.1", "--topk", "5", "--ratio_cap", "4",
+            "--output_dir", str(tmp_path), "--report_to", "none", "--bf16", "False", "--divergence", "topk_tv",
+            "--divergence_delta", "0.2", "--delta_low", "0.1", "--divergence_topk", "5",
+            "--trust_region_kwargs", '{"ratio_cap": 4}',
         ]
     )  # fmt: skip
     assert isinstance(config, DPPOConfig)
-    assert (config.divergence, config.delta, config.delta_low, config.delta_high) == ("topk_tv", 0.2, 0.1, 0.2)
-    assert (config.topk, config.ratio_cap) == (5, 4.0)
+    assert (config.divergence, config.divergence_delta, config.delta_low, config.delta_high) == (
+        "topk_tv", 0.2, 0.1, 0.2
+    )  # fmt: skip
+    assert (config.divergence_topk, config.trust_region_kwargs) == (5, {"ratio_cap": 4})
+    assert config.trust_region_settings["ratio_cap"] == 4
+
+
+def test_dppo_config_shares_no_field_name_with_grpo_config_in_another_meaning():
+    """Every field DPPOConfig declares is new, or GRPOConfig's own with GRPO's meaning (only defaults differ)."""
+    grpo = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    declared = DPPOConfig.__annotations__  # the fields DPPOConfig's own body declares
+    assert [name for name in declared if name in grpo] == ["vllm_importance_sampling_correction"]
+    ours = DPPOConfig.__dataclass_fields__["vllm_importance_sampling_correction"].metadata["help"]
+    assert "importance-sampling correction" in ours and "Must stay False" in ours
 
 
 def test_hf_argument_parser_rejects_an_unknown_divergence(tmp_path):

@@ -74,7 +74,9 @@ def test_rollout_func_logprobs_reach_the_binary_trust_region_unchanged(tmp_path,
 
 def test_rollout_func_with_a_topk_divergence_is_refused_at_start(tmp_path, tiny_model_dir, prompts, tokenizer):
     with pytest.raises(ValueError, match="rollout_func.*binary divergence"):
-        rollout_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, SamplingRollout(), divergence="topk_tv", topk=5)
+        rollout_trainer(
+            tmp_path, tiny_model_dir, prompts, tokenizer, SamplingRollout(), divergence="topk_tv", divergence_topk=5
+        )
 
 
 def test_rollout_func_without_logprobs_stops_with_a_clear_error(tmp_path, tiny_model_dir, prompts, tokenizer):

@@ -100,7 +100,9 @@ def test_documented_gpu_command_parses() -> None:
     assert model_args.model_name_or_path == "Qwen/Qwen3-4B-Instruct-2507" and model_args.use_peft
     # 128 prompts x 8 samples; the script's steps_per_generation default gave way
     assert training_args.generation_batch_size == 1024
-    assert (training_args.learning_rate, training_args.delta, training_args.divergence) == (1e-5, 0.15, "binary_tv")
+    assert (training_args.learning_rate, training_args.divergence_delta, training_args.divergence) == (
+        1e-5, 0.15, "binary_tv"
+    )  # fmt: skip
     assert (script_args.max_prompt_length, training_args.max_completion_length) == (1024, 512)
 
 

@@ -20,18 +20,11 @@ def log(*probs: float) -> torch.Tensor:
     return torch.tensor([math.log(p) for p in probs])
 
 
-def weights_of(method, pi, mu, advantages, delta=0.15, ratio_cap=3.0, anchor=None, eps=(0.2, 0.28), alpha=0.1):
-    """(weights, keep) of a method on tokens with trainer probabilities `pi` and sampler probabilities `mu`."""
+def weights_of(method, pi, mu, advantages, delta=0.15, anchor=None, eps=(0.2, 0.28), **kwargs):
+    """(weights, keep) of a method on tokens with trainer probabilities `pi` and sampler probabilities `mu`; `kwargs`
+    are the method's own settings (`trust_region_kwargs`), the rest take its defaults."""
     trainer_logps, sampler_logps = log(*pi), log(*mu)
-    settings = dict(
-        delta_low=delta,
-        delta_high=delta,
-        ratio_cap=ratio_cap,
-        epsilon_low=eps[0],
-        epsilon_high=eps[1],
-        negative_mask_threshold=0.5,
-        relaxed_clip_below=alpha,
-    )
+    shared = dict(delta_low=delta, delta_high=delta, epsilon_low=eps[0], epsilon_high=eps[1])
     trust_region = get_trust_region(method)
     batch = TrustRegionInput(
         trainer_logps=trainer_logps,
@@ -41,7 +34,7 @@ def weights_of(method, pi, mu, advantages, delta=0.15, ratio_cap=3.0, anchor=Non
         divergence=binary_divergence(sampler_logps, trainer_logps, "tv"),
         anchor_logps=trainer_logps if anchor is None else log(*anchor),
     )
-    return trust_region(batch, **{name: settings[name] for name in trust_region.settings})
+    return trust_region(batch, **trust_region.resolve_settings(kwargs, shared))
 
 
 def grad_of(method, pi, mu, advantage, anchor=None, **settings):
@@ -58,8 +51,9 @@ def test_pg_is_weights_every_token_by_the_full_ratio():
     assert grad_of("pg_is", pi=0.5, mu=0.01, advantage=1.0)[0] == pytest.approx(-50.0)
 
 
-def test_cispo_truncates_the_ratio_but_never_blocks():
-    assert grad_of("cispo", pi=0.5, mu=0.01, advantage=1.0, ratio_cap=3.0)[0] == pytest.approx(-3.0)
+def test_cispo_truncates_the_ratio_at_the_papers_cap_of_3_but_never_blocks():
+    assert grad_of("cispo", pi=0.5, mu=0.01, advantage=1.0)[0] == pytest.approx(-3.0)
+    assert grad_of("cispo", pi=0.5, mu=0.01, advantage=1.0, ratio_cap=10.0)[0] == pytest.approx(-10.0)
     assert grad_of("cispo", pi=0.2, mu=0.4, advantage=-1.0)[0] == pytest.approx(0.5)
 
 
@@ -85,7 +79,8 @@ def test_negative_mask_blocks_only_large_drops_on_negative_advantage():
 
 def test_dppo_blocks_only_beyond_delta_and_moving_away():
     assert grad_of("dppo", pi=0.80, mu=0.99, advantage=-1.0) == (pytest.approx(0.0), False)
-    assert grad_of("dppo", pi=0.01, mu=1e-4, advantage=1.0, ratio_cap=None)[0] == pytest.approx(-100.0)
+    assert grad_of("dppo", pi=0.01, mu=1e-4, advantage=1.0)[0] == pytest.approx(-100.0)  # no cap by default
+    assert grad_of("dppo", pi=0.01, mu=1e-4, advantage=1.0, ratio_cap=10.0)[0] == pytest.approx(-10.0)
 
 
 @pytest.mark.parametrize("mu,pi,advantage", [(0.5, 0.6, 1.0), (0.5, 0.4, -1.0), (0.3, 0.2, 1.0), (0.3, 0.45, -2.0)])
@@ -148,7 +143,7 @@ def test_relaxed_clip_tests_rarity_on_the_untruncated_mu_base():
     """A token drawn at mu = 0.2 after top-p renormalisation, with mu_base = 0.05 before it, counts as rare."""
     sampled, base, pi = log(0.2), log(0.05), log(0.5)  # r = pi / mu = 2.5, outside the clip
     batch = TrustRegionInput(pi, sampled, base, torch.tensor([1.0]), torch.zeros(1), pi)
-    weights, keep = get_trust_region("relaxed_clip")(batch, epsilon_low=0.2, epsilon_high=0.28, relaxed_clip_below=0.1)
+    weights, keep = get_trust_region("relaxed_clip")(batch, epsilon_low=0.2, epsilon_high=0.28, alpha=0.1)
     assert keep.item() and weights.item() == pytest.approx(2.5)  # the ratio keeps the mu sampled from
 
 

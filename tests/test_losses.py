@@ -7,11 +7,15 @@ is -M_t * min(r_t, C) * A_t.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_dppo.divergence import binary_divergence, topk_divergence, trust_region_mask
-from trl_dppo.losses import dppo_gradient_weights, dppo_per_token_loss, loss_from_weights
+from trl_dppo.losses import LOG_RATIO_LIMIT, dppo_gradient_weights, dppo_per_token_loss, loss_from_weights
+from trl_dppo.trust_regions import TRUST_REGIONS, TrustRegionInput
 
 
 def logp(*probs: float) -> torch.Tensor:
@@ -129,6 +133,68 @@ def test_gradient_weights_are_mask_times_capped_ratio_times_advantage():
     weights = dppo_gradient_weights(trainer, sampler, advantages, keep, ratio_cap=2.0)
     expected = keep.float() * torch.exp(trainer - sampler).clamp(max=2.0) * advantages
     torch.testing.assert_close(weights, expected)
+
+
+# --- Extreme ratios and missing sampler probabilities ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("log_ratio", [20.0, 60.0, 100.0])
+def test_a_masked_token_weighs_exactly_zero_at_any_ratio(log_ratio):
+    trainer = torch.tensor([[-1.0, -1.0]])
+    sampler = trainer - log_ratio
+    weights = dppo_gradient_weights(trainer, sampler, torch.tensor([[1.0]]), torch.tensor([[False, True]]))
+    assert weights[0, 0].item() == 0.0 and torch.isfinite(weights).all()
+
+
+@pytest.mark.parametrize("log_ratio", [20.0, 60.0, 100.0])
+def test_a_kept_tokens_ratio_is_used_up_to_2_to_the_64_and_limited_there(log_ratio):
+    """The uncapped weight is r * A, computed in float64; beyond 2**64 (log-ratio 44.4) it is 2**64 * A."""
+    trainer = torch.tensor([[-0.5]])
+    weights = dppo_gradient_weights(trainer, trainer - log_ratio, torch.tensor([[-2.0]]), torch.tensor([[True]]))
+    expected = -2.0 * min(math.exp(log_ratio), 2.0**64)
+    assert torch.isfinite(weights).all() and weights.item() == pytest.approx(expected, rel=1e-6)
+    assert LOG_RATIO_LIMIT == pytest.approx(64 * math.log(2))
+
+
+@pytest.mark.parametrize("sampler_logp", [-math.inf, math.nan])
+def test_a_token_without_a_sampler_probability_weighs_zero(sampler_logp):
+    trainer = torch.tensor([[-0.5, -0.5]])
+    sampler = torch.tensor([[sampler_logp, -0.7]])
+    keep = torch.ones(1, 2, dtype=torch.bool)
+    weights = dppo_gradient_weights(trainer, sampler, torch.tensor([[1.0]]), keep)
+    assert weights[0, 0].item() == 0.0 and weights[0, 1].item() == pytest.approx(math.exp(0.2), rel=1e-6)
+
+
+@pytest.mark.parametrize("method", TRUST_REGIONS)
+def test_every_method_gives_finite_weights_and_gradients_through_a_model_at_extreme_ratios(method):
+    """Log-ratios of 0, 20, 60 and 100 on both advantage signs, and sampler log-probs of -inf and NaN, pushed through
+    a model's backward pass in float32: every weight and every parameter gradient is finite."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 7))
+    logps = torch.log_softmax(model(ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    shifts = torch.tensor([[0.0, 20.0, 60.0, 100.0, 20.0, 0.0], [60.0, 100.0, 0.0, 20.0, 0.0, 0.0]])
+    sampler = logps.detach() - shifts
+    sampler[0, 4], sampler[1, 5] = -math.inf, math.nan
+    advantages = torch.tensor([[1.0], [-1.0]])
+    batch = TrustRegionInput(
+        trainer_logps=logps.detach(),
+        sampler_logps=sampler,
+        base_logps=sampler,
+        advantages=advantages,
+        divergence=binary_divergence(sampler, logps.detach(), "tv"),
+        anchor_logps=logps.detach(),
+    )
+    shared = dict(delta_low=0.15, delta_high=0.15, epsilon_low=0.2, epsilon_high=0.28)
+    trust_region = TRUST_REGIONS[method]
+    weights, _ = trust_region(batch, **trust_region.resolve_settings({}, shared))
+    assert torch.isfinite(weights).all()
+    assert weights[0, 4].item() == weights[1, 5].item() == 0.0
+    loss_from_weights(logps, weights).mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
 # --- Choice of divergence -----------------------------------------------------------------------------------------

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from trl import GRPOConfig
 
 from trl_dppo import DPPOConfig, DPPOTrainer
-from trl_dppo.config import EXPERIMENTAL_DPPO_RENAMES
+from trl_dppo.config import REMOVED_NAMES
 
 
 COMMON = dict(report_to="none", bf16=False)
@@ -20,7 +22,7 @@ def test_from_grpo_config_on_a_default_grpo_config(tmp_path):
     assert (config.output_dir, config.learning_rate, config.num_generations) == (str(tmp_path), 2e-5, 4)
     assert config.steps_per_generation == grpo.steps_per_generation
     assert config.generation_batch_size == grpo.generation_batch_size
-    assert (config.divergence, config.delta) == ("binary_tv", 0.15)
+    assert (config.divergence, config.divergence_delta) == ("binary_tv", 0.15)
 
 
 def test_from_grpo_config_with_vllm_settings_keeps_them_and_the_real_hub_token(tmp_path):
@@ -35,23 +37,23 @@ def test_from_grpo_config_with_vllm_settings_keeps_them_and_the_real_hub_token(t
         hub_token="hf_secret",
         **COMMON,
     )
-    config = DPPOConfig.from_grpo_config(grpo, divergence="topk_kl", topk=5)
+    config = DPPOConfig.from_grpo_config(grpo, divergence="topk_kl", divergence_topk=5)
     assert (config.use_vllm, config.vllm_mode, config.vllm_gpu_memory_utilization) == (True, "colocate", 0.3)
     assert config.vllm_max_model_length == 1536
     assert (config.generation_batch_size, config.steps_per_generation) == (32, 8)
     assert config.hub_token == "hf_secret"  # to_dict() would have given the placeholder "<HUB_TOKEN>"
-    assert (config.divergence, config.topk, config.delta) == ("topk_kl", 5, 0.05)
+    assert (config.divergence, config.divergence_topk, config.divergence_delta) == ("topk_kl", 5, 0.05)
 
 
 def test_from_grpo_config_refuses_grpos_two_sided_clip_delta(tmp_path):
     grpo = GRPOConfig(output_dir=str(tmp_path), delta=1.5, **COMMON)
-    with pytest.raises(ValueError, match=r"two-sided ratio clip.*from_grpo_config\(config, delta=\.\.\.\)"):
+    with pytest.raises(ValueError, match=r"two-sided ratio clip.*divergence_delta"):
         DPPOConfig.from_grpo_config(grpo)
 
 
 def test_from_grpo_config_keeps_dppos_errors_for_contradicting_settings(tmp_path):
     grpo = GRPOConfig(output_dir=str(tmp_path), loss_type="cispo", **COMMON)
-    with pytest.raises(ValueError, match="loss_type='cispo' is a trust region of its own"):
+    with pytest.raises(ValueError, match="loss_type='cispo' is GRPOTrainer's loss with a trust region of its own"):
         DPPOConfig.from_grpo_config(grpo)
 
 
@@ -60,30 +62,32 @@ def test_trainer_given_a_grpo_config_names_the_conversion(tmp_path):
         DPPOTrainer(model="unused", args=GRPOConfig(output_dir=str(tmp_path), **COMMON))
 
 
-@pytest.mark.parametrize(("old", "new"), list(EXPERIMENTAL_DPPO_RENAMES.items()))
-def test_experimental_dppo_names_raise_an_error_naming_the_new_field(tmp_path, old, new):
-    value = {"divergence_type": "binary_kl", "divergence_topk": 20, "clip_ratio_c": 20.0}[old]
-    with pytest.raises(TypeError, match=rf"`{old}` is now `{new}`"):
-        DPPOConfig(output_dir=str(tmp_path), **{old: value}, **COMMON)
+@pytest.mark.parametrize(("old", "new"), list(REMOVED_NAMES.items()))
+def test_names_that_are_gone_raise_an_error_naming_what_to_write_instead(tmp_path, old, new):
+    with pytest.raises(TypeError, match=re.escape(f"`{old}` is now `{new}`")):
+        DPPOConfig(output_dir=str(tmp_path), **{old: 1.0}, **COMMON)
 
 
-def test_experimental_dppo_mapping_covers_its_fields():
-    """trl.experimental.dppo's DPPOConfig (TRL 1.0-1.8) added these fields to GRPOConfig; epsilon/_high were reused."""
-    assert EXPERIMENTAL_DPPO_RENAMES == {
-        "divergence_type": "divergence",
-        "divergence_topk": "topk",
-        "clip_ratio_c": "ratio_cap",
-    }
-    assert set(EXPERIMENTAL_DPPO_RENAMES.values()) <= set(DPPOConfig.__dataclass_fields__)
+def test_the_removed_names_cover_experimental_dppos_fields_and_trl_dppo_01s():
+    """trl.experimental.dppo's DPPOConfig (TRL 1.0-1.8) added `divergence_type`, `divergence_topk` and `clip_ratio_c`
+    to GRPOConfig (epsilon / epsilon_high were reused as the thresholds); `divergence_topk` keeps its name and meaning
+    here. trl-dppo 0.1's `topk`, `ratio_cap`, `negative_mask_threshold` and `relaxed_clip_below` moved; its `delta`
+    is GRPOConfig's again (tested in test_config)."""
+    assert set(REMOVED_NAMES) == {
+        "divergence_type", "clip_ratio_c", "topk", "ratio_cap", "negative_mask_threshold", "relaxed_clip_below"
+    }  # fmt: skip
+    assert "divergence_topk" in DPPOConfig.__dataclass_fields__
 
 
-@pytest.mark.parametrize("settings", [dict(epsilon=0.05), dict(epsilon_high=0.28), dict(epsilon=0.1, delta=0.1)])
+@pytest.mark.parametrize(
+    "settings", [dict(epsilon=0.05), dict(epsilon_high=0.28), dict(epsilon=0.1, divergence_delta=0.1)]
+)
 def test_epsilon_set_for_dppo_warns_that_the_thresholds_are_delta_low_and_delta_high(tmp_path, settings):
     with pytest.warns(
         UserWarning, match=r"trl\.experimental\.dppo used epsilon / epsilon_high.*delta_low / delta_high"
     ):
         config = DPPOConfig(output_dir=str(tmp_path), **settings, **COMMON)
-    assert config.delta_low == config.delta_high == settings.get("delta", 0.15)
+    assert config.delta_low == config.delta_high == settings.get("divergence_delta", 0.15)
 
 
 def test_epsilon_for_the_grpo_trust_region_is_its_clip_and_does_not_warn(tmp_path, recwarn):

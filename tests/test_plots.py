@@ -108,7 +108,7 @@ def test_cli(tmp_path: Path) -> None:
 
 def test_buckets_come_from_the_log_in_the_trainers_order() -> None:
     """The plots read the bucket labels off the log's keys (importing no trainer) and order them by lower bound."""
-    from trl_dppo.trainer import MU_BUCKETS
+    from trl_dppo.diagnostics import MU_BUCKETS
 
     assert mu_buckets([{f"tokens_by_mu/{label}/total": 1.0 for label in sorted(MU_BUCKETS)}]) == list(MU_BUCKETS)
     assert BUCKETS == MU_BUCKETS

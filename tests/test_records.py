@@ -8,9 +8,18 @@ import struct
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from trl_dppo.records import VOID_ID, SamplerRecords, complete_kept_sets_, tag_logps, tagged_lists, tagged_rows
+from trl_dppo.records import (
+    VOID_ID,
+    MissingRecordsError,
+    SamplerRecords,
+    complete_kept_sets_,
+    tag_logps,
+    tagged_lists,
+    tagged_rows,
+)
 
 
 # float32 values that must survive tagging bit for bit, as TRL turns the floats into `sampling_per_token_logps`
@@ -73,7 +82,8 @@ def test_rows_follow_tokens_through_tool_stitching_and_truncation():
     completion_ids = torch.tensor([[1, 3, 100, 101, 42, 0], [6, 0, 0, 0, 0, 0]])
     sampling = torch.nn.utils.rnn.pad_sequence([trl_float32(r) for r in rows], batch_first=True)
     sampling = torch.nn.functional.pad(sampling, (0, 1))
-    batch = store.batch_tensors(completion_ids, sampling)
+    loss_mask = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0]])  # the tool result leaves the loss
+    batch = store.batch_tensors(completion_ids, sampling, loss_mask)
     ids, logps = batch["sampler_kept_ids"], batch["sampler_kept_logps"]
     assert ids.shape == (2, 6, 3) and ids.dtype == torch.int32 and logps.dtype == torch.float32
     empty = [VOID_ID] * 3
@@ -91,7 +101,8 @@ def test_one_generation_call_without_tool_calls_is_its_own_batch_no_copy():
     kept_logps = torch.tensor([[[-0.1, -math.inf], [-0.2, -3.0]], [[-0.3, -math.inf], [-9.0, -9.0]]])
     # the second completion ended early
     store.rollout_logprobs = record(store, torch.tensor([[-0.1, -3.0], [-0.3, -9.0]]), [2, 1], kept_ids, kept_logps)
-    batch = store.batch_tensors(torch.tensor([[3, 8], [5, 0]]), torch.tensor([[-0.1, -3.0], [-0.3, 0.0]]))
+    loss_mask = torch.tensor([[1, 1], [1, 0]])
+    batch = store.batch_tensors(torch.tensor([[3, 8], [5, 0]]), torch.tensor([[-0.1, -3.0], [-0.3, 0.0]]), loss_mask)
     assert batch["sampler_kept_ids"].data_ptr() == kept_ids.data_ptr()
     assert batch["sampler_kept_logps"].data_ptr() == kept_logps.data_ptr()
     assert batch["sampler_kept_ids"].tolist() == [[[3, VOID_ID], [4, 8]], [[5, VOID_ID], [VOID_ID, VOID_ID]]]
@@ -108,14 +119,15 @@ def test_base_logps_are_kept_only_when_recorded():
         torch.tensor([[[-0.2, -0.9]]]),
         torch.tensor([[-0.9]]),
     )
-    batch = store.batch_tensors(torch.tensor([[7]]), torch.tensor([[-0.5]]))
+    batch = store.batch_tensors(torch.tensor([[7]]), torch.tensor([[-0.5]]), torch.ones(1, 1))
     assert batch["sampler_base_logps"].tolist() == [[-0.8999999761581421]]
     assert batch["sampler_kept_ids"].tolist() == [[[3, 7]]]
 
 
 def test_binary_records_without_base_need_nothing_beyond_the_float():
     store = SamplerRecords(topk=0)
-    assert not store.needed and store.batch_tensors(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3)) == {}
+    assert not store.needed
+    assert store.batch_tensors(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3), torch.ones(2, 3)) == {}
 
 
 def test_a_call_without_base_records_takes_the_sampled_log_prob_as_base():
@@ -125,7 +137,7 @@ def test_a_call_without_base_records_takes_the_sampled_log_prob_as_base():
     [second] = record(store, torch.tensor([[-2.0]]), [1])
     store.rollout_logprobs = [first + [0.0] + second]
     sampling = torch.tensor([[-0.5, -0.25, 0.0, -2.0]])
-    batch = store.batch_tensors(torch.tensor([[1, 2, 3, 4]]), sampling)
+    batch = store.batch_tensors(torch.tensor([[1, 2, 3, 4]]), sampling, torch.tensor([[1, 1, 0, 1]]))
     assert batch["sampler_base_logps"].tolist() == [[-0.75, -1.5, 0.0, -2.0]]
 
 
@@ -141,8 +153,31 @@ def test_runs_of_a_few_tokens_give_the_rows_and_views_of_one_pass(monkeypatch):
     assert tagged_rows(store.rollout_logprobs, 3).tolist() == [
         [0, 1, 2], [3, -1, -1], [6, 7, -1], [9, 10, 11], [-1, -1, -1]
     ]  # fmt: skip
-    batch = store.batch_tensors(torch.zeros(5, 3, dtype=torch.long), sampled)
+    loss_mask = torch.arange(3) < torch.tensor(lengths)[:, None]
+    batch = store.batch_tensors(torch.zeros(5, 3, dtype=torch.long), sampled, loss_mask)
     assert batch["sampler_kept_ids"].data_ptr() == kept_ids.data_ptr()
     assert batch["sampler_kept_ids"][1].tolist() == [[6, 7], [VOID_ID, VOID_ID], [VOID_ID, VOID_ID]]
     assert batch["sampler_kept_ids"][3].tolist() == [[18, 19], [20, 21], [22, 23]]
     assert (batch["sampler_kept_ids"][4] == VOID_ID).all()
+
+
+@pytest.mark.parametrize("topk, base", [(2, False), (0, True)], ids=["top-k", "mu_base"])
+def test_a_loss_token_whose_row_was_lost_stops_the_batch(topk, base):
+    """Rounded to float32 before stitching, the floats carry no rows: the top-K divergence of an empty kept set would
+    be 0 and mu_base would silently become mu, so the batch stops instead."""
+    store = SamplerRecords(topk=topk)
+    kept = (torch.tensor([[[1, 2, VOID_ID]]]), torch.tensor([[[-0.1, -2.5, -math.inf]]])) if topk else (None, None)
+    tagged = record(store, torch.tensor([[-0.1]]), [1], *kept, torch.tensor([[-0.3]]) if base else None)
+    store.rollout_logprobs = [trl_float32(row).tolist() for row in tagged]  # the tags rounded away
+    with pytest.raises(MissingRecordsError, match="1 of the batch's 1 loss tokens carry no row"):
+        store.batch_tensors(torch.tensor([[1]]), torch.tensor([[-0.1]]), torch.ones(1, 1))
+
+
+def test_tokens_out_of_the_loss_or_without_a_sampler_probability_need_no_row():
+    """Tool results (0.0, out of the loss through tool_mask), padding and a -inf log-prob (which leaves the loss)."""
+    store = SamplerRecords(topk=1)
+    [tagged] = record(store, torch.tensor([[-0.5]]), [1], torch.tensor([[[4, 9]]]), torch.tensor([[[-0.2, -0.5]]]))
+    store.rollout_logprobs = [tagged + [0.0, -math.inf]]
+    sampling = torch.tensor([[-0.5, 0.0, -math.inf, 0.0]])
+    batch = store.batch_tensors(torch.tensor([[9, 7, 7, 0]]), sampling, torch.tensor([[1, 0, 1, 0]]))
+    assert batch["sampler_kept_ids"][0, 0].tolist() == [4, 9] and (batch["sampler_kept_ids"][0, 1:] == VOID_ID).all()

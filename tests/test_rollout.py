@@ -17,7 +17,7 @@ from trl_dppo.rollout import (
     recording_generate,
 )
 
-from .conftest import build_tiny_model
+from .conftest import build_tiny_model, log_softmax_atol
 
 
 TEMPERATURE = 0.8
@@ -32,7 +32,7 @@ class BanEveryThirdToken(LogitsProcessor):
 
 @pytest.fixture(scope="module")
 def model_and_prompt(tokenizer):
-    # head_scale 4: peaked enough that a wrong mu shows, spread enough that truncation removes real mass
+    # head_scale 30: peaked enough that a wrong mu shows, spread enough that truncation removes real mass
     model = build_tiny_model(tokenizer, head_scale=30.0).eval()
     prompt = tokenizer(["Hello there", "Count to five"], return_tensors="pt", padding=True, padding_side="left")
     return model, prompt
@@ -91,18 +91,22 @@ def test_recorded_mu_is_what_transformers_sampled_from(model_and_prompt, option)
     torch.manual_seed(0)
     completion, values, records, processed, base = generate_and_record(model, prompt, 3, processors, **options)
     mu = torch.tensor(values, dtype=torch.float64).float()  # as GRPOTrainer turns them into a tensor
-    torch.testing.assert_close(mu, at(processed, completion), atol=1e-5, rtol=0)
+    # The recorder's log-softmax (logsumexp of the same scores) against transformers' `log_softmax`
+    expected = at(processed, completion)
+    torch.testing.assert_close(mu, expected, atol=log_softmax_atol(model.vocab_size, expected.abs().max()), rtol=0)
     records.rollout_logprobs = values
-    batch = records.batch_tensors(completion, mu)
+    batch = records.batch_tensors(completion, mu, torch.ones_like(completion))
     sampled_base = at(base, completion)
     if option == "temperature":  # nothing beyond the trainer's temperature: nothing extra is stored
         assert "sampler_base_logps" not in batch
     else:  # mu_base = log_softmax(logits / T), the distribution the trainer's pi is, and the top-K under it
-        torch.testing.assert_close(batch["sampler_base_logps"], sampled_base, atol=1e-5, rtol=0)
+        atol = log_softmax_atol(model.vocab_size, sampled_base.abs().max())
+        torch.testing.assert_close(batch["sampler_base_logps"], sampled_base, atol=atol, rtol=0)
         assert (processed - base).nan_to_num(nan=0.0).abs().max() > 0.1  # the option changed the distribution
     top_logps, top_ids = base.topk(3, -1)
     assert batch["sampler_kept_ids"][..., :3].tolist() == top_ids.tolist()
-    torch.testing.assert_close(batch["sampler_kept_logps"][..., :3], top_logps, atol=1e-5, rtol=0)
+    atol = log_softmax_atol(model.vocab_size, top_logps.abs().max())
+    torch.testing.assert_close(batch["sampler_kept_logps"][..., :3], top_logps, atol=atol, rtol=0)
 
 
 def test_the_recorder_runs_after_every_processor_and_warper(model_and_prompt):
@@ -161,7 +165,8 @@ def test_vllm_records_find_the_sampled_token_by_id_not_by_rank():
     assert sampled[0][0] == pytest.approx(-5.0) and sampled[0][1] == pytest.approx(-1.0) and math.isnan(sampled[1][0])
     store.rollout_logprobs = sampled
     completion_ids = torch.tensor([[13, 22], [31, 0]])
-    batch = store.batch_tensors(completion_ids, torch.tensor([[-5.0, -1.0], [math.nan, 0.0]]))
+    loss_mask = torch.tensor([[1, 1], [1, 0]])
+    batch = store.batch_tensors(completion_ids, torch.tensor([[-5.0, -1.0], [math.nan, 0.0]]), loss_mask)
     kept_ids = [[[11, 12, 13], [21, 22, VOID_ID]], [[31, 32, VOID_ID], [VOID_ID] * 3]]
     assert batch["sampler_kept_ids"].tolist() == kept_ids
     assert batch["sampler_kept_logps"][0, 0].tolist() == [pytest.approx(-0.1), -2.0, -5.0]
@@ -181,4 +186,6 @@ def test_transformers_binary_records_are_plain_floats_without_rows(model_and_pro
     torch.manual_seed(0)
     completion, values, records, processed, _ = generate_and_record(model, prompt)
     assert records.rows == 0 and (tagged_rows(values, 6) == -1).all()
-    torch.testing.assert_close(torch.tensor(values), at(processed, completion), atol=1e-5, rtol=0)
+    expected = at(processed, completion)
+    atol = log_softmax_atol(model.vocab_size, expected.abs().max())
+    torch.testing.assert_close(torch.tensor(values), expected, atol=atol, rtol=0)

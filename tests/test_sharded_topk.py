@@ -51,7 +51,11 @@ def _sharded_llama() -> LlamaForCausalLM:
     return model
 
 
-def _kept_logps_under_fsdp2(rank: int, init_file: str, topks: tuple[int, ...], temperature: float) -> None:
+def _kept_logps_under_fsdp2(
+    rank: int, init_file: str, topks: tuple[int, ...], temperature: float, done_dir: str
+) -> None:
+    """One process's checks; an assertion that fails here fails the test (mp.spawn re-raises it in the parent), and
+    the file it writes once every check passed shows the parent that the checks ran."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
     try:
@@ -75,8 +79,11 @@ def _kept_logps_under_fsdp2(rank: int, init_file: str, topks: tuple[int, ...], t
             got = lm_head_kept_logps(head, hidden[0], sampled, sampled_logps, kept, temperature)
 
             want = full.gather(-1, kept.clamp_min(0)).masked_fill(kept < 0, -math.inf)
+            # log_softmax_atol(512, 10) = 4e-5 for the reference, plus the logits' dot products over 32 in another
+            # order (FSDP's gathered rows): 1e-4 bounds both, ten times below a wrong kept set's error
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
             assert isinstance(head.weight, DTensor)  # the head is left sharded
+        Path(done_dir, f"rank{rank}").write_text(" ".join(map(str, topks)))
         # Every process is past its last collective before either tears the group down: a gloo process whose peer
         # closed the group mid-transfer aborts ("terminate called without an active exception")
         dist.barrier()
@@ -90,12 +97,14 @@ def test_kept_logps_read_from_an_fsdp2_sharded_head_equal_the_full_log_softmax(t
     # The spawned processes import this module by name; the repository goes last on their path, so that a run
     # against the installed wheel (--import-mode=importlib) still imports trl_dppo from the wheel
     monkeypatch.setattr(sys, "path", [*sys.path, str(Path(__file__).resolve().parents[1])])
-    mp.spawn(_kept_logps_under_fsdp2, args=(str(tmp_path / "init"), (1, 8), 0.7), nprocs=WORLD_SIZE, join=True)
+    args = (str(tmp_path / "init"), (1, 8), 0.7, str(tmp_path))
+    mp.spawn(_kept_logps_under_fsdp2, args=args, nprocs=WORLD_SIZE, join=True)
+    assert [(tmp_path / f"rank{rank}").read_text() for rank in range(WORLD_SIZE)] == ["1 8"] * WORLD_SIZE
 
 
 def test_topk_under_fsdp1_is_refused_and_fsdp2_accepted():
     with pytest.raises(ValueError, match="fsdp_version: 2"):
         check_topk_sharding(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False))
-    check_topk_sharding(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=True))
+    assert check_topk_sharding(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=True)) is None
     check_topk_sharding(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, is_fsdp2=False))
     check_topk_sharding(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, is_fsdp2=False))

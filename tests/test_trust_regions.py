@@ -1,5 +1,6 @@
 """The trust-region registry: each method one registered function, the config's choices, validation and help and the
-README's table derived from it, and a method registered from outside the package trained through DPPOTrainer."""
+docs' table derived from it (tests/test_docs.py), and a method registered from outside the package trained through
+DPPOTrainer."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from trl_dppo import DPPOConfig
 from trl_dppo.losses import dppo_gradient_weights
 from trl_dppo.trust_regions import TRUST_REGIONS, TrustRegionInput, register_trust_region
 
-from .conftest import REPO, make_trainer
+from .conftest import make_trainer
 
 
 COMMON = dict(report_to="none", bf16=False)
@@ -30,7 +31,7 @@ def registry():
 
 
 def register_clip_lower():
-    """The README's example, from outside the package."""
+    """docs/trust_regions.md's example, from outside the package."""
 
     @register_trust_region("clip_lower", equation="w = M * min(r, cap) * A, M = 0 iff A < 0 and r < 1 - epsilon_low")
     def clip_lower(x: TrustRegionInput, *, epsilon_low: float, cap: float = 10.0):
@@ -44,19 +45,6 @@ def test_the_package_registers_the_ladder_drpo_and_the_relaxed_clip():
     assert [name for name, method in TRUST_REGIONS.items() if method.recomputes_anchor] == ["minirl"]
 
 
-def test_the_readme_table_is_the_registry():
-    readme = (REPO / "README.md").read_text()
-    section = re.split(r"\n##+ ", readme.split("\n### Trust regions\n", 1)[1])[0]
-    header, *rows = [line for line in section.splitlines() if line.startswith("| `")]
-    assert header == "| `trust_region` | w_t | settings |"
-
-    def row(name, method):
-        settings = ", ".join(f"`{setting}`" for setting in method.settings) or "none"
-        return f"| `{name}` | `{method.equation}` | {settings} |"
-
-    assert rows == [row(name, method) for name, method in TRUST_REGIONS.items()]
-
-
 def test_the_config_help_lists_every_method_with_its_equation():
     help_text = DPPOConfig.__dataclass_fields__["trust_region"].metadata["help"]
     for name, method in TRUST_REGIONS.items():
@@ -68,19 +56,41 @@ def test_an_unknown_trust_region_is_refused_at_config_time_listing_the_registere
         DPPOConfig(output_dir=str(tmp_path), trust_region="ppo", **COMMON)
 
 
-def test_each_method_reads_its_settings_from_the_config_fields_of_the_same_names(tmp_path):
+def test_each_method_takes_its_own_settings_from_its_kwargs_and_the_shared_thresholds_from_the_config(tmp_path):
     config = DPPOConfig(
-        output_dir=str(tmp_path), trust_region="relaxed_clip", epsilon=0.1, relaxed_clip_below=0.3, **COMMON
+        output_dir=str(tmp_path),
+        trust_region="relaxed_clip",
+        epsilon=0.1,
+        trust_region_kwargs={"alpha": 0.3},
+        **COMMON,
     )
-    assert config.trust_region_settings() == {"epsilon_low": 0.1, "epsilon_high": 0.1, "relaxed_clip_below": 0.3}
-    config = DPPOConfig(output_dir=str(tmp_path), delta_low=0.1, delta_high=0.2, ratio_cap=None, **COMMON)
-    assert config.trust_region_settings() == {"delta_low": 0.1, "delta_high": 0.2, "ratio_cap": None}
+    assert config.trust_region_settings == {"epsilon_low": 0.1, "epsilon_high": 0.1, "alpha": 0.3}
+    config = DPPOConfig(output_dir=str(tmp_path), delta_low=0.1, delta_high=0.2, **COMMON)
+    assert config.trust_region_settings == {"delta_low": 0.1, "delta_high": 0.2, "ratio_cap": None}
 
 
-@pytest.mark.parametrize("alpha", [0.0, -0.1, 1.5])
-def test_relaxed_clip_below_is_a_probability(tmp_path, alpha):
-    with pytest.raises(ValueError, match="relaxed_clip_below must be in \\(0, 1\\]"):
-        DPPOConfig(output_dir=str(tmp_path), trust_region="relaxed_clip", relaxed_clip_below=alpha, **COMMON)
+def test_a_setting_the_method_does_not_take_is_refused_naming_the_ones_it_does(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"\['alpha'\], which trust_region='dppo' does not take; it takes 'ratio_cap'"
+    ):
+        DPPOConfig(output_dir=str(tmp_path), trust_region_kwargs={"alpha": 0.3}, **COMMON)
+    with pytest.raises(ValueError, match=r"\['delta_low'\] are DPPOConfig fields.*set them there"):
+        DPPOConfig(output_dir=str(tmp_path), trust_region_kwargs={"delta_low": 0.3}, **COMMON)
+
+
+@pytest.mark.parametrize(("method", "setting"), [("relaxed_clip", "alpha"), ("negative_mask", "drop")])
+@pytest.mark.parametrize("value", [0.0, -0.1, 1.5])
+def test_probability_settings_are_checked_by_their_method(tmp_path, method, setting, value):
+    with pytest.raises(ValueError, match=rf"{setting} must be a probability in \(0, 1\]"):
+        DPPOConfig(output_dir=str(tmp_path), trust_region=method, trust_region_kwargs={setting: value}, **COMMON)
+
+
+@pytest.mark.parametrize("method", ["drpo", "mask_drpo"])
+@pytest.mark.parametrize("divergence", ["binary_kl", "topk_tv"])
+def test_a_method_declares_the_divergences_it_is_defined_for(tmp_path, method, divergence):
+    assert TRUST_REGIONS[method].divergences == ("binary_tv",)
+    with pytest.raises(ValueError, match=rf"trust_region='{method}' works with divergence in \('binary_tv',\) only"):
+        DPPOConfig(output_dir=str(tmp_path), trust_region=method, divergence=divergence, **COMMON)
 
 
 def test_settings_must_be_keyword_only_and_names_unique(registry):
@@ -90,19 +100,24 @@ def test_settings_must_be_keyword_only_and_names_unique(registry):
         register_trust_region("dppo", equation="w = A")(lambda x: (x.advantages, x.advantages > 0))
 
 
-def test_a_setting_with_neither_a_field_nor_a_default_fails_at_config_time(registry, tmp_path):
+def test_a_setting_with_neither_a_value_nor_a_default_fails_at_config_time(registry, tmp_path):
     register_trust_region("needs_beta2", equation="w = A")(lambda x, *, beta2: (x.advantages, x.advantages > 0))
-    with pytest.raises(ValueError, match="needs the setting 'beta2'.*give the parameter `beta2`.*a default"):
+    with pytest.raises(ValueError, match="needs the setting 'beta2': pass it in trust_region_kwargs"):
         DPPOConfig(output_dir=str(tmp_path), trust_region="needs_beta2", **COMMON)
+    config = DPPOConfig(
+        output_dir=str(tmp_path), trust_region="needs_beta2", trust_region_kwargs={"beta2": 0.5}, **COMMON
+    )
+    assert config.trust_region_settings == {"beta2": 0.5}
 
 
-def test_the_command_line_accepts_a_method_registered_after_import(registry, tmp_path):
+def test_the_command_line_accepts_a_method_registered_after_import_with_its_settings(registry, tmp_path):
     register_clip_lower()
     (config,) = HfArgumentParser(DPPOConfig).parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path), "--report_to", "none", "--bf16", "False", "--trust_region", "clip_lower"]
-    )
+        ["--output_dir", str(tmp_path), "--report_to", "none", "--bf16", "False", "--trust_region", "clip_lower",
+         "--trust_region_kwargs", '{"cap": 4.5}']
+    )  # fmt: skip
     assert config.trust_region == "clip_lower"
-    assert config.trust_region_settings() == {"epsilon_low": 0.2, "cap": 10.0}
+    assert config.trust_region_settings == {"epsilon_low": 0.2, "cap": 4.5}
 
 
 def test_a_method_registered_outside_the_package_trains_through_the_trainer(

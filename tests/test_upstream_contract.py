@@ -82,8 +82,6 @@ def test_loss_reads_per_token_advantages_after_the_policy_forward():
     assert "per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps" in src
     # the loss mask is read from `tool_mask`, which the override uses to drop tokens without a sampler log-prob
     assert 'mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]' in src
-    # GRPOConfig.delta is read as a two-sided clip bound; DPPOConfig's delta is hidden from it during the loss
-    assert "self.args.delta" in src
 
 
 def test_vllm_backend_contract():

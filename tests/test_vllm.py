@@ -88,7 +88,9 @@ def test_no_recomputation_pass_with_vllm(binary_run):
 
 
 def test_topk_run_with_vllm(vllm_model_dir, prompts, tokenizer, tmp_path):
-    trainer = vllm_trainer(tmp_path, vllm_model_dir, prompts, tokenizer, divergence="topk_kl", topk=5, max_steps=2)
+    trainer = vllm_trainer(
+        tmp_path, vllm_model_dir, prompts, tokenizer, divergence="topk_kl", divergence_topk=5, max_steps=2
+    )
     seen = spy_on_trust_region(trainer)
     trainer.train()
     assert trainer.vllm_generation.logprobs == 5
@@ -130,7 +132,8 @@ def test_colocated_topk_records_come_from_vllms_flat_output():
     sampled = [[lp[0] for lp in seq] for seq in extracted]  # what GRPOTrainer keeps
     assert sampled[0][0] == pytest.approx(-5.0) and sampled[0][1] == pytest.approx(-1.0) and sampled[1][0] is None
     store.rollout_logprobs = sampled
-    batch = store.batch_tensors(torch.tensor([[13, 22], [31, 0]]), torch.tensor([[-5.0, -1.0], [math.nan, 0.0]]))
+    sampling, loss_mask = torch.tensor([[-5.0, -1.0], [math.nan, 0.0]]), torch.tensor([[1, 1], [1, 0]])
+    batch = store.batch_tensors(torch.tensor([[13, 22], [31, 0]]), sampling, loss_mask)
     # TRL turns a NaN into None, which carries no row: that token (out of the loss anyway) has an empty kept set
     assert batch["sampler_kept_ids"].tolist() == [[[11, 12, 13], [21, 22, VOID_ID]], [[VOID_ID] * 3] * 2]
     assert batch["sampler_kept_logps"][0, 0].tolist() == [pytest.approx(-0.1), -2.0, -5.0]

@@ -125,7 +125,9 @@ def test_dppo_trains_against_a_processed_logprobs_server(
     tmp_path,
     no_nccl_weight_transfer,  # noqa: F811
 ):
-    trainer = server_trainer(tmp_path, vllm_server, vllm_model_dir, prompts, tokenizer, divergence=divergence, topk=5)
+    trainer = server_trainer(
+        tmp_path, vllm_server, vllm_model_dir, prompts, tokenizer, divergence=divergence, divergence_topk=5
+    )
     seen = spy_on_trust_region(trainer)
     trainer.train()
     server_info = trainer.vllm_generation.vllm_client.get_server_info()["model_config"]

@@ -8,10 +8,10 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from .trust_regions import TRUST_REGIONS, get_trust_region
+from .trust_regions import SHARED_SETTINGS, TRUST_REGIONS, get_trust_region
 
 
-__all__ = ["DPPOConfig", "DIVERGENCES", "DEFAULT_DELTA", "EXPERIMENTAL_DPPO_RENAMES"]
+__all__ = ["DPPOConfig", "DIVERGENCES", "DEFAULT_DELTA", "REMOVED_NAMES"]
 
 DIVERGENCES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl")
 # The paper's stability-test thresholds; its large runs used 0.2 for TV.
@@ -32,11 +32,24 @@ VLLM_DISTRIBUTION_NEUTRAL_KWARGS = (
 )
 # Loss types whose only role is normalisation: GRPOTrainer's `cispo`, `sapo` and `vespo` are trust regions of their own.
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-# trl.experimental.dppo's DPPOConfig (TRL 1.0-1.8) -> this package's field of the same meaning. There, `epsilon` and
-# `epsilon_high` were the thresholds delta_low / delta_high; here they keep GRPOConfig's meaning (PPO's ratio clip).
-EXPERIMENTAL_DPPO_RENAMES = {"divergence_type": "divergence", "divergence_topk": "topk", "clip_ratio_c": "ratio_cap"}
-# The settings through which a trust region reads GRPOConfig's `epsilon` / `epsilon_high` (PPO's ratio clip)
-_PPO_CLIP_SETTINGS = {"epsilon_low", "epsilon_high"}
+# Names DPPOConfig no longer takes -> what to write instead: trl.experimental.dppo's DPPOConfig (TRL 1.0-1.8), and
+# trl-dppo 0.1's fields that were renamed or became settings of their trust region. (trl.experimental.dppo's
+# `divergence_topk` is this config's field of the same name and meaning; its `epsilon` / `epsilon_high` were the
+# thresholds delta_low / delta_high, and keep GRPOConfig's meaning here: PPO's ratio clip.)
+REMOVED_NAMES = {
+    "divergence_type": "divergence",
+    "clip_ratio_c": 'trust_region_kwargs {"ratio_cap": C} (the paper\'s DPPO has no cap)',
+    "topk": "divergence_topk",
+    "ratio_cap": 'trust_region_kwargs {"ratio_cap": C} (the paper\'s DPPO has no cap)',
+    "negative_mask_threshold": 'trust_region_kwargs {"drop": ...} (trust_region="negative_mask")',
+    "relaxed_clip_below": 'trust_region_kwargs {"alpha": ...} (trust_region="relaxed_clip")',
+}
+
+
+def _settings_help(name: str) -> str:
+    method = TRUST_REGIONS[name]
+    own = [f"{s}={d!r}" for s, d in method.settings.items() if s not in SHARED_SETTINGS]
+    return f"'{name}': {method.equation}" + (f" [{', '.join(own)}]" if own else "")
 
 
 @dataclass
@@ -46,33 +59,37 @@ class DPPOConfig(GRPOConfig):
 
     DPPO replaces PPO's ratio clip by a mask on an estimate D_t of the divergence between the sampler's next-token
     distribution (mu, recorded at generation) and the trainer's (pi): a token loses its gradient only when
-    D_t > delta and the update moves further from mu. Its per-token gradient is M_t * min(pi/mu, C) * A * grad log pi.
+    D_t > delta and the update moves further from mu. Its per-token gradient is M_t * (pi/mu) * A * grad log pi.
 
     Parameters:
-        trust_region (`str`, defaults to `"dppo"`):
-            The trust region: `dppo`, or for ablations another method registered in `trl_dppo.trust_regions` (the
-            paper's ladder, DRPO and the paper's relaxed clip; the field's help and the README's table list them with
-            their equations), or your own registered with `register_trust_region`. A method's settings are the fields
-            of the same names (`epsilon_low` / `epsilon_high` are PPO's `epsilon` / `epsilon_high`).
-        negative_mask_threshold (`float`, defaults to `0.5`):
-            Probability drop mu - pi at which `negative_mask` blocks a negative-advantage token.
-        relaxed_clip_below (`float`, defaults to `0.1`):
-            alpha of `relaxed_clip`: tokens the sampler drew with probability mu_base < alpha are never clipped.
+        > Divergence
+
         divergence (`str`, defaults to `"binary_tv"`):
             Estimate of D_t: `binary_tv` (|mu - pi| of the sampled token), `binary_kl` (KL of the two coin flips
-            "sampled token or not"), `topk_tv` / `topk_kl` (over the sampler's `topk` most likely tokens plus the
-            sampled one, the rest in one bucket).
-        delta (`float`, *optional*):
-            Divergence threshold. Defaults to 0.15 for TV and 0.05 for KL (the paper's stability settings; its large
-            runs used 0.2 TV). Not GRPOConfig's two-sided clipping bound of the same name.
+            "sampled token or not"), `topk_tv` / `topk_kl` (over the sampler's `divergence_topk` most likely tokens
+            plus the sampled one, the rest in one bucket).
+        divergence_delta (`float`, *optional*):
+            Divergence threshold delta. Defaults to 0.15 for TV and 0.05 for KL (the paper's stability settings; its
+            large runs used 0.2 TV).
         delta_low (`float`, *optional*):
-            Threshold for tokens with negative advantage; defaults to `delta`.
+            Threshold for tokens with negative advantage; defaults to `divergence_delta`.
         delta_high (`float`, *optional*):
-            Threshold for tokens with positive advantage; defaults to `delta`.
-        topk (`int`, defaults to `20`):
-            K of the top-K divergence.
-        ratio_cap (`float` or `None`, defaults to `10.0`):
-            Cap C on the importance ratio pi/mu in the gradient weight; `None` disables it.
+            Threshold for tokens with positive advantage; defaults to `divergence_delta`.
+        divergence_topk (`int`, defaults to `20`):
+            K of the top-K divergence. Not GRPOConfig's `top_k`, which truncates sampling.
+
+        > Trust region
+
+        trust_region (`str`, defaults to `"dppo"`):
+            The trust region: `dppo`, or for ablations another method registered in `trl_dppo.trust_regions` (the
+            paper's ladder, DRPO and the paper's relaxed clip; docs/trust_regions.md lists them with their
+            equations), or your own registered with `register_trust_region`.
+        trust_region_kwargs (`dict` or `str`, *optional*):
+            The method's own settings, e.g. `{"ratio_cap": 10}` for `dppo` or `{"alpha": 0.05}` for `relaxed_clip`
+            (a JSON string on the command line). Unset ones take the method's defaults, which follow the paper.
+
+        > Records and diagnostics
+
         vllm_allow_truncated_sampling (`bool`, defaults to `False`):
             Accept truncated or penalised sampling (`top_p`, `top_k`, `min_p`, `repetition_penalty`, distribution-
             changing `generation_kwargs`) with vLLM. vLLM reports only the renormalised log-probabilities, so the
@@ -83,38 +100,18 @@ class DPPOConfig(GRPOConfig):
             ppo_clipped}`, 18 series), which `trl-dppo plot` draws as `tokens_by_mu.png`. The shipped jobs turn it on.
 
     GRPOConfig options that contradict DPPO are off by default here and rejected when set: vLLM's importance-sampling
-    correction (it recomputes old log-probabilities, which DPPO does without), sequence-level importance sampling, the
-    loss types that are trust regions of their own (`cispo`, `sapo`, `vespo`), the off-policy sequence mask, and
-    transformers' continuous-batching generation (it records no per-token log-probabilities). PPO's `epsilon` /
-    `epsilon_high` are not DPPO's thresholds: they set the ratio clip of the trust regions that clip (`grpo`,
-    `minirl`, `relaxed_clip`) and what the diagnostics count as PPO-clipped; set elsewhere they warn, since
-    `trl.experimental.dppo` used them as delta_low / delta_high. Its other names (`divergence_type`,
-    `divergence_topk`, `clip_ratio_c`) raise an error naming the field here; `from_grpo_config` converts a GRPOConfig.
+    correction (it recomputes old log-probabilities, which DPPO does without), GRPO's two-sided ratio clip `delta`,
+    sequence-level importance sampling, the loss types that are trust regions of their own (`cispo`, `sapo`,
+    `vespo`), the off-policy sequence mask, and transformers' continuous-batching generation (it records no per-token
+    log-probabilities). PPO's `epsilon` / `epsilon_high` are not DPPO's thresholds: they set the ratio clip of the
+    trust regions that clip (`grpo`, `minirl`, `relaxed_clip`) and what the diagnostics count as PPO-clipped; set
+    elsewhere they warn, since `trl.experimental.dppo` used them as delta_low / delta_high. Names that are gone
+    (`REMOVED_NAMES`: trl.experimental.dppo's and trl-dppo 0.1's) raise an error naming what to write instead;
+    `from_grpo_config` converts a GRPOConfig.
     """
 
-    trust_region: str = field(
-        default="dppo",
-        metadata={
-            "help": "Trust region: DPPO's ('dppo', the default) or, for ablations, another method, given by its "
-            "per-token weight w of grad log pi (r = pi/mu, A the advantage, C = ratio_cap, D the divergence): "
-            + "; ".join(f"'{name}': {method.equation}" for name, method in TRUST_REGIONS.items())
-            + ". Methods registered with trl_dppo.trust_regions.register_trust_region are accepted too.",
-            "choices": TRUST_REGIONS.keys(),  # a live view: methods registered later are accepted
-        },
-    )
-    negative_mask_threshold: float = field(
-        default=0.5,
-        metadata={"help": "Drop mu - pi at which trust_region='negative_mask' blocks a token (the paper's RQ3: 0.5)."},
-    )
-    relaxed_clip_below: float = field(
-        default=0.1,
-        metadata={
-            "help": "alpha of trust_region='relaxed_clip': PPO's ratio clip (epsilon, epsilon_high), except that "
-            "tokens the sampler drew with probability mu < alpha are never clipped (epsilon -> infinity on both "
-            "sides). The paper's efficiency probe (Qi et al. 2026, section 6): alpha = 0.1 learned substantially "
-            "faster than GRPO's clip."
-        },
-    )
+    _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["trust_region_kwargs"]
+
     divergence: str = field(
         default="binary_tv",
         metadata={
@@ -124,7 +121,7 @@ class DPPOConfig(GRPOConfig):
             "choices": list(DIVERGENCES),
         },
     )
-    delta: float | None = field(
+    divergence_delta: float | None = field(
         default=None,
         metadata={
             "help": "Divergence threshold delta. Defaults to 0.15 for TV and 0.05 for KL (the paper's stability "
@@ -133,21 +130,36 @@ class DPPOConfig(GRPOConfig):
     )
     delta_low: float | None = field(
         default=None,
-        metadata={"help": "Threshold for negative-advantage tokens (moves down). Defaults to `delta`."},
+        metadata={"help": "Threshold for negative-advantage tokens (moves down). Defaults to `divergence_delta`."},
     )
     delta_high: float | None = field(
         default=None,
-        metadata={"help": "Threshold for positive-advantage tokens (moves up). Defaults to `delta`."},
+        metadata={"help": "Threshold for positive-advantage tokens (moves up). Defaults to `divergence_delta`."},
     )
-    topk: int = field(
+    divergence_topk: int = field(
         default=20,
-        metadata={"help": "K of the top-K divergence (the paper uses 20). Only read when `divergence` is topk_*."},
-    )
-    ratio_cap: float | None = field(
-        default=10.0,
         metadata={
-            "help": "Cap C on the importance ratio pi/mu in the gradient weight M * min(pi/mu, C) * A, as in the "
-            "authors' reference code. Set None to disable."
+            "help": "K of the top-K divergence (the paper uses 20). Only read when `divergence` is topk_*. Not "
+            "`top_k`, which truncates sampling."
+        },
+    )
+    trust_region: str = field(
+        default="dppo",
+        metadata={
+            "help": "Trust region: DPPO's ('dppo', the default) or, for ablations, another method, given by its "
+            "per-token weight w of grad log pi (r = pi/mu, A the advantage, C a ratio cap, D the divergence) and "
+            "[its own settings with their defaults]: "
+            + "; ".join(_settings_help(name) for name in TRUST_REGIONS)
+            + ". Methods registered with trl_dppo.trust_regions.register_trust_region are accepted too.",
+            "choices": TRUST_REGIONS.keys(),  # a live view: methods registered later are accepted
+        },
+    )
+    trust_region_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "The trust region's own settings (see `trust_region`), as a dict or a JSON string, e.g. "
+            "'{\"ratio_cap\": 10}'. Unset settings take the method's defaults, which follow the paper: no ratio "
+            "cap for dppo (C = infinity, its section 5 warns against truncating the ratio), C = 3 for cispo."
         },
     )
     vllm_allow_truncated_sampling: bool = field(
@@ -177,58 +189,70 @@ class DPPOConfig(GRPOConfig):
 
     def __new__(cls, *args, **kwargs):
         # The dataclass __init__ would fail on an old name with a bare "unexpected keyword" TypeError
-        renamed = {old: EXPERIMENTAL_DPPO_RENAMES[old] for old in kwargs if old in EXPERIMENTAL_DPPO_RENAMES}
-        if renamed:
-            hints = ", ".join(f"`{old}` is now `{new}`" for old, new in renamed.items())
-            raise TypeError(
-                f"DPPOConfig got trl.experimental.dppo's argument names: {hints}. See the README's migration section."
-            )
+        removed = [f"`{old}` is now `{REMOVED_NAMES[old]}`" for old in kwargs if old in REMOVED_NAMES]
+        if removed:
+            raise TypeError(f"DPPOConfig got names it no longer takes: {'; '.join(removed)}. See docs/migration.md.")
         return super().__new__(cls)
 
     @classmethod
     def from_grpo_config(cls, config: GRPOConfig, **dppo_fields: Any) -> DPPOConfig:
-        """Build a DPPOConfig from a [`~trl.GRPOConfig`], with `dppo_fields` (e.g. `divergence`, `delta`) on top.
+        """Build a DPPOConfig from a [`~trl.GRPOConfig`], with `dppo_fields` (e.g. `divergence`, `divergence_delta`)
+        on top.
 
         Every GRPOConfig setting of `config` carries over except the ones DPPO replaces: vLLM's importance-sampling
         correction (off: DPPO runs no recomputation to correct), and `generation_batch_size`, which GRPOConfig derived
-        from `steps_per_generation` or the other way round (the step count is kept). GRPO's `delta` (a two-sided
-        ratio clip) is refused because DPPOConfig's `delta` is the divergence threshold. Settings that contradict
-        DPPO raise DPPOConfig's errors.
+        from `steps_per_generation` or the other way round (the step count is kept). Settings that contradict DPPO
+        (GRPO's two-sided clip `delta` among them) raise DPPOConfig's errors.
         """
         if not isinstance(config, GRPOConfig):
             raise TypeError(f"from_grpo_config takes a GRPOConfig, got {type(config).__name__}.")
-        if config.delta is not None:
-            raise ValueError(
-                f"GRPOConfig.delta={config.delta} is GRPO's two-sided ratio clip, which DPPO does not use; "
-                "DPPOConfig.delta is the divergence threshold. Set delta=None on the GRPOConfig and pass DPPO's "
-                "threshold as from_grpo_config(config, delta=...)."
-            )
-        replaced = {"vllm_importance_sampling_correction", "generation_batch_size", "delta"}
+        replaced = {"vllm_importance_sampling_correction", "generation_batch_size"}
         # Read the attributes, not to_dict(): that one writes tokens as placeholders and enums as strings
         settings = {f.name: getattr(config, f.name) for f in fields(GRPOConfig) if f.init and f.name not in replaced}
         return cls(**{**settings, **dppo_fields})
 
+    @property
+    def divergence_kind(self) -> str:
+        """`"tv"` or `"kl"`: what `divergence` measures."""
+        return self.divergence.split("_")[1]
+
+    @property
+    def recorded_topk(self) -> int:
+        """How many of the sampler's most likely tokens are recorded per token: K for a top-K divergence, else 0."""
+        return self.divergence_topk if self.divergence.startswith("topk") else 0
+
+    @property
+    def trust_region_settings(self) -> dict[str, Any]:
+        """The settings `trust_region`'s function is called with: `trust_region_kwargs`, then DPPOConfig's shared
+        thresholds (`delta_low` / `delta_high`, and PPO's clip range as GRPOTrainer reads it: `epsilon`, and
+        `epsilon_high` defaulting to `epsilon`), then the function's defaults."""
+        shared = dict(
+            delta_low=self.delta_low,
+            delta_high=self.delta_high,
+            epsilon_low=self.epsilon,
+            epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
+        )
+        return get_trust_region(self.trust_region).resolve_settings(self.trust_region_kwargs, shared)
+
     def __post_init__(self):
-        trust_region = get_trust_region(self.trust_region)
-        if self.trust_region in ("drpo", "mask_drpo") and self.divergence != "binary_tv":
-            raise ValueError(
-                f"trust_region={self.trust_region!r} regularises toward DPPO's binary-TV boundary |pi - mu| <= delta; "
-                f"set divergence='binary_tv' (got {self.divergence!r})."
-            )
-        if not 0 < self.negative_mask_threshold <= 1:
-            raise ValueError(f"negative_mask_threshold must be in (0, 1], got {self.negative_mask_threshold}.")
-        if not 0 < self.relaxed_clip_below <= 1:
-            raise ValueError(
-                f"relaxed_clip_below must be in (0, 1] (a sampler probability alpha), got {self.relaxed_clip_below}."
-            )
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}.")
-        kind = self.divergence.split("_")[1]
-        if self.delta is None:
-            self.delta = DEFAULT_DELTA[kind]
-        self.delta_low = self.delta if self.delta_low is None else self.delta_low
-        self.delta_high = self.delta if self.delta_high is None else self.delta_high
-        for name in ("delta", "delta_low", "delta_high"):
+        if self.delta is not None:
+            raise ValueError(
+                f"delta={self.delta} is GRPOConfig's two-sided ratio clip, which DPPO does not use. DPPO's divergence "
+                "threshold is `divergence_delta` (named `delta` in trl-dppo 0.1): set divergence_delta (or "
+                "delta_low / delta_high) and leave delta unset."
+            )
+        trust_region = get_trust_region(self.trust_region)
+        trust_region.check_divergence(self.divergence)
+        kind = self.divergence_kind
+        if self.divergence_delta is None:
+            self.divergence_delta = DEFAULT_DELTA[kind]
+        if self.delta_low is None:
+            self.delta_low = self.divergence_delta
+        if self.delta_high is None:
+            self.delta_high = self.divergence_delta
+        for name in ("divergence_delta", "delta_low", "delta_high"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}.")
@@ -237,22 +261,21 @@ class DPPOConfig(GRPOConfig):
                     f"{name}={value} never masks anything: total variation lies in [0, 1]. Use a threshold below 1 "
                     "(the paper uses 0.15-0.2)."
                 )
-        if self.divergence.startswith("topk") and not (isinstance(self.topk, int) and self.topk >= 1):
-            raise ValueError(f"topk must be a positive integer, got {self.topk!r}.")
-        if self.ratio_cap is not None and not self.ratio_cap >= 1:
-            raise ValueError(f"ratio_cap must be >= 1 or None (no cap), got {self.ratio_cap}.")
-        if _PPO_CLIP_SETTINGS.isdisjoint(trust_region.settings) and (
+        if self.divergence.startswith("topk") and not (
+            isinstance(self.divergence_topk, int) and self.divergence_topk >= 1
+        ):
+            raise ValueError(f"divergence_topk must be a positive integer, got {self.divergence_topk!r}.")
+        if {"epsilon_low", "epsilon_high"}.isdisjoint(trust_region.settings) and (
             self.epsilon != GRPOConfig.epsilon or self.epsilon_high is not None
         ):
             warnings.warn(
                 f"epsilon={self.epsilon}, epsilon_high={self.epsilon_high}: with trust_region={self.trust_region!r} "
                 "PPO's ratio clip only sets what the diagnostics compare DPPO's mask against (the `ppo_clipped` "
                 "metrics); it is not DPPO's threshold. trl.experimental.dppo used epsilon / epsilon_high as the "
-                "thresholds: set delta_low / delta_high (or delta) instead.",
+                "thresholds: set delta_low / delta_high (or divergence_delta) instead.",
                 UserWarning,
                 stacklevel=3,
             )
-        self.trust_region_settings()  # a setting with neither a field nor a default fails here, not at the first step
 
         if self.vllm_importance_sampling_correction:
             raise ValueError(
@@ -266,9 +289,13 @@ class DPPOConfig(GRPOConfig):
                 "ratio are per token. Set importance_sampling_level='token'."
             )
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
+            cispo = " For CISPO as a baseline in DPPO's ladder, use trust_region='cispo'." * (
+                self.loss_type == "cispo"
+            )
             raise ValueError(
-                f"loss_type={self.loss_type!r} is a trust region of its own and cannot be combined with DPPO's. Use "
-                f"one of {SUPPORTED_LOSS_TYPES}, which only choose how the loss is normalised (default 'dapo')."
+                f"loss_type={self.loss_type!r} is GRPOTrainer's loss with a trust region of its own, which cannot be "
+                f"combined with DPPO's. Use one of {SUPPORTED_LOSS_TYPES}, which only choose how the loss is "
+                f"normalised (default 'dapo').{cispo}"
             )
         if self.off_policy_mask_threshold is not None:
             raise ValueError(
@@ -281,21 +308,10 @@ class DPPOConfig(GRPOConfig):
                 "needs as mu. Set use_transformers_continuous_batching=False (and use_transformers_paged=False), or "
                 "use_vllm=True."
             )
-        super().__post_init__()
+        super().__post_init__()  # parses `trust_region_kwargs` given as a JSON string
+        self.trust_region_settings  # a bad or missing setting fails here, not at the first step  # noqa: B018
         if self.use_vllm and not self.vllm_allow_truncated_sampling:
             self._refuse_vllm_truncated_sampling()
-
-    def trust_region_settings(self) -> dict[str, Any]:
-        """The settings `trust_region`'s function declares, read from this config's fields of the same names.
-
-        `epsilon_low` / `epsilon_high` are PPO's clip range as GRPOTrainer reads it: `epsilon`, and `epsilon_high`
-        defaulting to `epsilon`. A setting with no field takes the function's default.
-        """
-        return get_trust_region(self.trust_region).settings_from(
-            self,
-            epsilon_low=self.epsilon,
-            epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
-        )
 
     def _refuse_vllm_truncated_sampling(self) -> None:
         """vLLM reports mu after truncation and penalties, which the trainer's pi = softmax(logits / T) lacks."""

@@ -9,19 +9,47 @@ The trust regions built from these pieces, one function per method, are in `trus
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .divergence import binary_divergence, trust_region_mask
 
 
 __all__ = [
+    "LOG_RATIO_LIMIT",
     "dppo_gradient_weights",
     "dppo_per_token_loss",
     "drpo_gradient_weights",
+    "importance_ratio",
     "loss_from_weights",
     "negative_update_keep",
     "ratio_clip_keep",
 ]
+
+
+# The largest importance ratio a weight uses: 2**64. A ratio beyond float32's range (log-ratio above ~88.7) would make
+# the weight inf, and 0 * inf = NaN on a masked token; 2**64 leaves the other half of float32's exponent range (up to
+# 2**128) to the backward pass, which multiplies the weight by activations and sums over hidden sizes. No ratio of a
+# sampler and a trainer that agree comes near it (a token mu gave 1e-19 that pi gives 1): the limit changes no weight
+# the paper's uncapped U1 would give in practice, and the trainer counts the tokens it binds
+# (`trust_region/ratio_limited_tokens`).
+LOG_RATIO_LIMIT = 64 * math.log(2)
+
+
+def importance_ratio(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor) -> torch.Tensor:
+    """r = pi / mu per token, in float64, at most exp(`LOG_RATIO_LIMIT`) = 2**64; NaN where either log-prob is NaN.
+
+    A sampler log-probability of -inf (mu = 0) gives the limit; the weights give such a token, which has no sampler
+    probability, weight 0 (`dppo_gradient_weights`).
+    """
+    return (trainer_logps.double() - sampler_logps.double()).clamp(max=LOG_RATIO_LIMIT).exp()
+
+
+def _weights(ratio: torch.Tensor, advantages: torch.Tensor, sampler_logps: torch.Tensor, keep: torch.Tensor):
+    """ratio * A on kept tokens with a sampler probability, exactly 0 elsewhere (never 0 * inf), as float32."""
+    usable = keep & torch.isfinite(sampler_logps)
+    return torch.where(usable, ratio * advantages.double(), 0.0).float()
 
 
 @torch.no_grad()
@@ -32,19 +60,23 @@ def dppo_gradient_weights(
     keep: torch.Tensor,
     ratio_cap: float | None = None,
 ) -> torch.Tensor:
-    """w_t = M_t * min(r_t, C) * A_t, the weight of grad log pi(y_t) in DPPO's gradient.
+    """w_t = M_t * min(r_t, C) * A_t, the weight of grad log pi(y_t) in DPPO's gradient (the paper's U1).
+
+    Finite for any input: a blocked token (M_t = 0) and a token without a sampler probability (log mu = -inf or NaN)
+    weigh exactly 0 whatever the ratio, and the ratio is computed in float64 and limited to 2**64
+    (`importance_ratio`). The result is float32.
 
     Args:
         trainer_logps: log pi of the sampled tokens, `(B, T)`.
         sampler_logps: log mu of the same tokens, `(B, T)`.
         advantages: `(B, 1)` or `(B, T)`.
         keep: the trust-region mask M_t (see `trust_region_mask`).
-        ratio_cap: C, or None for no cap.
+        ratio_cap: C, or None for no cap (the paper's DPPO: C = infinity).
     """
-    ratio = torch.exp(trainer_logps.float() - sampler_logps.float())
+    ratio = importance_ratio(trainer_logps, sampler_logps)
     if ratio_cap is not None:
         ratio = ratio.clamp(max=ratio_cap)
-    return keep.float() * ratio * advantages.float()
+    return _weights(ratio, advantages, sampler_logps, keep)
 
 
 def ratio_clip_keep(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
@@ -79,10 +111,11 @@ def drpo_gradient_weights(
     or penalties, see `trust_regions.TrustRegionInput`) the move pi - mu is measured from it; the ratio r keeps
     `sampler_logps`.
     """
-    ratio = torch.exp(trainer_logps.float() - sampler_logps.float())
+    ratio = importance_ratio(trainer_logps, sampler_logps)
     base = sampler_logps if base_logps is None else base_logps
-    shift = trainer_logps.float().exp() - base.float().exp()
-    return ratio * advantages.float() * (1 - torch.sign(advantages.float()) * shift / delta)
+    shift = trainer_logps.double().exp() - base.double().exp()
+    factor = 1 - torch.sign(advantages.double()) * shift / delta
+    return _weights(ratio * factor, advantages, sampler_logps, torch.ones_like(ratio, dtype=torch.bool))
 
 
 def loss_from_weights(trainer_logps: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

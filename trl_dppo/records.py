@@ -28,6 +28,7 @@ import torch
 
 
 __all__ = [
+    "MissingRecordsError",
     "ROW_BITS",
     "RUN_TOKENS",
     "VOID_ID",
@@ -46,6 +47,10 @@ ROW_BITS = 28
 _ROW_MASK = (1 << ROW_BITS) - 1
 # Passes over a whole generation batch go this many tokens at a time, which bounds their transient memory
 RUN_TOKENS = 1 << 12
+
+
+class MissingRecordsError(RuntimeError):
+    """A loss token of a generation batch that needs records resolves to none."""
 
 
 def runs_of_sequences(count: int, length: int) -> Iterator[tuple[int, int]]:
@@ -182,12 +187,15 @@ class SamplerRecords:
         """Whether the batch needs anything beyond `sampling_per_token_logps` (else tokens need carry no row)."""
         return bool(self.topk) or self.has_base
 
-    def batch_tensors(self, completion_ids: torch.Tensor, sampling_logps: torch.Tensor) -> dict[str, torch.Tensor]:
+    def batch_tensors(
+        self, completion_ids: torch.Tensor, sampling_logps: torch.Tensor, loss_mask: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """The batch keys for the trainer, aligned with `completion_ids` `(B, T)`; consumes the store.
 
         `sampler_kept_ids` `(B, T, K + 1)` int32 and `sampler_kept_logps` `(B, T, K + 1)` float32: the kept sets;
         `sampler_base_logps` `(B, T)` when mu_base was recorded. Tokens without a row (tool results, padding) get empty
-        kept sets, and their own `sampling_logps` as base.
+        kept sets, and their own `sampling_logps` as base. Raises `MissingRecordsError` when a token of `loss_mask`
+        `(B, T)` with a finite sampler log-probability has no row (tokens without one leave the loss anyway).
         """
         if not self.needed:
             return {}
@@ -213,10 +221,24 @@ class SamplerRecords:
                 values = _concat(self._blocks, key)
                 out[name] = values[index].view(B, T, *values.shape[1:])
             row_runs = [(0, rows)]
-        sampling_logps = sampling_logps.cpu() if self.has_base else sampling_logps  # only a base reads it
+        sampling_logps = sampling_logps.cpu()
+        loss_mask = loss_mask.cpu().bool()
+        lost = 0
         for start, rows in row_runs:
-            _clear_rowless_(out, rows < 0, sampling_logps, start)
+            rowless = rows < 0
+            end = start + rows.size(0)
+            lost += int((rowless & loss_mask[start:end] & sampling_logps[start:end].isfinite()).sum())
+            _clear_rowless_(out, rowless, sampling_logps, start)
         self._blocks.clear()
+        if lost:
+            raise MissingRecordsError(
+                f"{lost} of the batch's {int(loss_mask.sum())} loss tokens carry no row of the sampler's records "
+                f"({', '.join(keys.values())}): the row tags in the low mantissa bits of TRL's log-probability floats "
+                "were lost between the sampler and the batch (a rollout path that rounds the floats to float32 or "
+                "rebuilds them before tool calls are stitched). Without their records these tokens would read an "
+                "empty kept set (a top-K divergence of 0, never masked) or the truncated mu as mu_base, so the batch "
+                "stops here."
+            )
         return {key: value.to(completion_ids.device) for key, value in out.items()}
 
 

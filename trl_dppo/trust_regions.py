@@ -3,31 +3,54 @@
 Every method has the gradient  sum_t w_t * grad log pi(y_t)  of the DPPO paper's template U1, with a per-token weight
 w_t computed without gradient (`losses.py` turns weights into a loss). A method is a function of one
 `TrustRegionInput` (the batch's log-probabilities, advantages and divergence) and of its own settings, declared as
-keyword-only parameters; it returns `(weights, keep)`, where `keep` is False on the tokens its trust region blocks.
-`DPPOConfig(trust_region=NAME)` picks one, and fills each setting from the config field of the same name (a setting
-with no such field takes its default). Register your own from outside the package with `register_trust_region`
-(the README's "Trust regions" shows one in ten lines).
+keyword-only parameters with their defaults; it returns `(weights, keep)`, where `keep` is False on the tokens its
+trust region blocks. The registration also declares what the method requires of the rest of the configuration (a
+divergence, a recomputed anchor) and how its settings are checked, so every rule of a method stands where it is
+registered.
 
-In the equations r = pi / mu, A the advantage, C = `ratio_cap`, D the divergence estimate, mu_base the sampler's
+`DPPOConfig(trust_region=NAME, trust_region_kwargs={...})` picks one. A setting is filled, in this order, from
+`trust_region_kwargs`, from the thresholds every method may share (`SHARED_SETTINGS`: DPPO's `delta_low` /
+`delta_high` and PPO's clip range `epsilon_low` / `epsilon_high`, which are the config's fields), then from the
+function's default. Register your own from outside the package with `register_trust_region` (see docs/trust_regions.md).
+
+In the equations r = pi / mu, A the advantage, C a ratio cap, D the divergence estimate, mu_base the sampler's
 distribution before truncation or penalties (what the masks compare pi with; the ratio keeps the mu sampled from).
+The defaults follow the paper's unified table (appendix C.1): no cap for PG-IS, GRPO, MiniRL and DPPO (C = infinity),
+C = 3 for the truncated-importance-sampling baseline (PG-TIS / CISPO).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 import torch
 
 from .divergence import trust_region_mask
-from .losses import dppo_gradient_weights, drpo_gradient_weights, negative_update_keep, ratio_clip_keep
+from .losses import (
+    dppo_gradient_weights,
+    drpo_gradient_weights,
+    importance_ratio,
+    negative_update_keep,
+    ratio_clip_keep,
+)
 
 
-__all__ = ["TRUST_REGIONS", "TrustRegion", "TrustRegionInput", "get_trust_region", "register_trust_region"]
+__all__ = [
+    "SHARED_SETTINGS",
+    "TRUST_REGIONS",
+    "TrustRegion",
+    "TrustRegionInput",
+    "get_trust_region",
+    "register_trust_region",
+]
 
 TokenTensor = Annotated[torch.Tensor, "(B, T): B sequences, T completion tokens"]
+
+# Settings a method may declare that come from DPPOConfig's own fields rather than from `trust_region_kwargs`
+SHARED_SETTINGS = ("delta_low", "delta_high", "epsilon_low", "epsilon_high")
 
 
 @dataclass(frozen=True)
@@ -44,8 +67,8 @@ class TrustRegionInput:
 
     @property
     def ratio(self) -> torch.Tensor:
-        """r = pi / mu in float32, the importance ratio of each sampled token."""
-        return torch.exp(self.trainer_logps.float() - self.sampler_logps.float())
+        """r = pi / mu of each sampled token (float64, at most 2**64: `losses.importance_ratio`)."""
+        return importance_ratio(self.trainer_logps, self.sampler_logps)
 
 
 TrustRegionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -53,34 +76,59 @@ TrustRegionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass(frozen=True)
 class TrustRegion:
-    """A registered method: its function, its equation (the README's table) and its settings with their defaults."""
+    """A registered method: its function, its equation (the docs' table), its settings with their defaults, and what
+    it requires of the configuration."""
 
     name: str
     function: TrustRegionFunction
     equation: str
     settings: dict[str, Any]  # keyword-only parameter -> default (inspect.Parameter.empty when it has none)
     recomputes_anchor: bool = False
+    divergences: tuple[str, ...] | None = None  # the divergences it works with; None: any
+    check_settings: Callable[..., None] | None = None
 
     @torch.no_grad()
     def __call__(self, x: TrustRegionInput, **settings: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return self.function(x, **settings)
 
-    def settings_from(self, config: object, **resolved: Any) -> dict[str, Any]:
-        """This method's settings: from `resolved`, else `config`'s attribute of the same name, else the default."""
+    def resolve_settings(self, kwargs: Mapping[str, Any] | None, shared: Mapping[str, Any]) -> dict[str, Any]:
+        """This method's settings: from `kwargs` (the user's `trust_region_kwargs`), else `shared` (DPPOConfig's
+        thresholds), else the function's default. Raises on a key the method does not take or a missing value."""
+        kwargs = dict(kwargs or {})
+        unknown = sorted(set(kwargs) - set(self.settings))
+        if unknown:
+            takes = ", ".join(f"{n!r}" for n in self.settings if n not in SHARED_SETTINGS) or "no settings"
+            raise ValueError(
+                f"trust_region_kwargs has {unknown}, which trust_region={self.name!r} does not take; it takes {takes}."
+            )
+        shadowed = sorted(set(kwargs) & set(SHARED_SETTINGS))
+        if shadowed:
+            raise ValueError(
+                f"{shadowed} are DPPOConfig fields (shared by every method); set them there, not in "
+                "trust_region_kwargs."
+            )
         values = {}
         for name, default in self.settings.items():
-            if name in resolved:
-                values[name] = resolved[name]
-            elif hasattr(config, name):
-                values[name] = getattr(config, name)
+            if name in kwargs:
+                values[name] = kwargs[name]
+            elif name in shared:
+                values[name] = shared[name]
             elif default is not inspect.Parameter.empty:
                 values[name] = default
             else:
                 raise ValueError(
-                    f"trust_region={self.name!r} needs the setting {name!r}, which {type(config).__name__} has no "
-                    f"field for: give the parameter `{name}` of {self.function.__qualname__} a default."
+                    f"trust_region={self.name!r} needs the setting {name!r}: pass it in trust_region_kwargs, or give "
+                    f"the parameter `{name}` of {self.function.__qualname__} a default."
                 )
+        if self.check_settings is not None:
+            self.check_settings(**values)
         return values
+
+    def check_divergence(self, divergence: str) -> None:
+        if self.divergences is not None and divergence not in self.divergences:
+            raise ValueError(
+                f"trust_region={self.name!r} works with divergence in {self.divergences} only, got {divergence!r}."
+            )
 
 
 # name -> method, in registration order; DPPOConfig's `trust_region` accepts exactly these names
@@ -88,16 +136,25 @@ TRUST_REGIONS: dict[str, TrustRegion] = {}
 
 
 def register_trust_region(
-    name: str, *, equation: str, recomputes_anchor: bool = False
+    name: str,
+    *,
+    equation: str,
+    recomputes_anchor: bool = False,
+    divergences: tuple[str, ...] | None = None,
+    check_settings: Callable[..., None] | None = None,
 ) -> Callable[[TrustRegionFunction], TrustRegionFunction]:
     """Register `fn(x: TrustRegionInput, *, <settings>) -> (weights, keep)` as `trust_region=name`.
 
     Args:
         name: the value of `DPPOConfig.trust_region` that selects it.
-        equation: its per-token weight w_t in one line, for the README's table and the config's help.
+        equation: its per-token weight w_t in one line, for the docs' table and the config's help.
         recomputes_anchor: let GRPOTrainer recompute log pi_old before the batch's first update (a forward pass per
             generation batch that serves several optimizer steps) and pass it as `anchor_logps`; otherwise the
             sampler's record is the only anchor and `anchor_logps` is log pi.
+        divergences: the `DPPOConfig.divergence` values the method is defined for (None: any); others are refused
+            when the config is built.
+        check_settings: called with the resolved settings as keyword arguments when the config is built; raises
+            ValueError on a bad value.
     """
 
     def register(fn: TrustRegionFunction) -> TrustRegionFunction:
@@ -111,7 +168,7 @@ def register_trust_region(
                 f"`*`) so that DPPOConfig can fill them by name; {positional} are not keyword-only."
             )
         settings = {p.name: p.default for p in params}
-        TRUST_REGIONS[name] = TrustRegion(name, fn, equation, settings, recomputes_anchor)
+        TRUST_REGIONS[name] = TrustRegion(name, fn, equation, settings, recomputes_anchor, divergences, check_settings)
         return fn
 
     return register
@@ -126,18 +183,38 @@ def get_trust_region(name: str) -> TrustRegion:
     return TRUST_REGIONS[name]
 
 
+def _check_ratio_cap(ratio_cap: float | None, **_: Any) -> None:
+    if ratio_cap is not None and not ratio_cap >= 1:
+        raise ValueError(f"ratio_cap must be >= 1 or None (no cap), got {ratio_cap}.")
+
+
+def _check_probability(setting: str) -> Callable[..., None]:
+    def check(**settings: Any) -> None:
+        if not 0 < settings[setting] <= 1:
+            raise ValueError(f"{setting} must be a probability in (0, 1], got {settings[setting]}.")
+
+    return check
+
+
 # --- The paper's ladder and DRPO, in the README's order ---------------------------------------------------------
 
 
 @register_trust_region(
-    "dppo", equation="w = M * min(r, C) * A, M = 0 iff D > delta and pi moves away from mu_base in the direction of A"
+    "dppo",
+    equation="w = M * min(r, C) * A, M = 0 iff D > delta and pi moves away from mu_base in the direction of A",
+    check_settings=_check_ratio_cap,
 )
-def dppo(x: TrustRegionInput, *, delta_low: float, delta_high: float, ratio_cap: float | None):
+def dppo(x: TrustRegionInput, *, delta_low: float, delta_high: float, ratio_cap: float | None = None):
+    """DPPO. The paper's U1 has no cap (C = infinity) and its section 5 finds that truncating the ratio brings collapse
+    sooner, since it down-weights the rare tokens DPPO lets move; `ratio_cap` is there to reproduce capped recipes
+    (the authors' DPPO recipe sets 1e4, TRL's removed trainer 20)."""
     keep = trust_region_mask(x.divergence, x.base_logps, x.trainer_logps, x.advantages, delta_low, delta_high)
     return dppo_gradient_weights(x.trainer_logps, x.sampler_logps, x.advantages, keep, ratio_cap), keep
 
 
-@register_trust_region("drpo", equation="w = r * A * (1 - sign(A) * (pi - mu_base) / delta)")
+@register_trust_region(
+    "drpo", equation="w = r * A * (1 - sign(A) * (pi - mu_base) / delta)", divergences=("binary_tv",)
+)
 def drpo(x: TrustRegionInput, *, delta_low: float, delta_high: float):
     """DRPO's smooth regulariser toward DPPO's binary-TV boundary; `keep` is False outside it, moving away."""
     delta = torch.where(x.advantages > 0, delta_high, delta_low)
@@ -146,8 +223,13 @@ def drpo(x: TrustRegionInput, *, delta_low: float, delta_high: float):
     return weights, inside | (torch.sign(x.advantages) * (x.trainer_logps - x.base_logps) <= 0)
 
 
-@register_trust_region("mask_drpo", equation="w = dppo's weight where its M = 1, drpo's where M = 0")
-def mask_drpo(x: TrustRegionInput, *, delta_low: float, delta_high: float, ratio_cap: float | None):
+@register_trust_region(
+    "mask_drpo",
+    equation="w = dppo's weight where its M = 1, drpo's where M = 0",
+    divergences=("binary_tv",),
+    check_settings=_check_ratio_cap,
+)
+def mask_drpo(x: TrustRegionInput, *, delta_low: float, delta_high: float, ratio_cap: float | None = None):
     inside, keep = dppo(x, delta_low=delta_low, delta_high=delta_high, ratio_cap=ratio_cap)
     outside, _ = drpo(x, delta_low=delta_low, delta_high=delta_high)
     return torch.where(keep, inside, outside), keep
@@ -165,7 +247,7 @@ def grpo(x: TrustRegionInput, *, epsilon_low: float, epsilon_high: float):
     "minirl", equation="w = M * r * A, M = grpo's clip of pi / pi_old (pi_old recomputed)", recomputes_anchor=True
 )
 def minirl(x: TrustRegionInput, *, epsilon_low: float, epsilon_high: float):
-    anchor_ratio = torch.exp(x.trainer_logps.float() - x.anchor_logps.float())
+    anchor_ratio = importance_ratio(x.trainer_logps, x.anchor_logps)
     keep = ratio_clip_keep(anchor_ratio, x.advantages, epsilon_low, epsilon_high)
     return dppo_gradient_weights(x.trainer_logps, x.sampler_logps, x.advantages, keep), keep
 
@@ -176,23 +258,35 @@ def pg_is(x: TrustRegionInput):
     return dppo_gradient_weights(x.trainer_logps, x.sampler_logps, x.advantages, everything), everything
 
 
-@register_trust_region("cispo", equation="w = min(r, C) * A (truncated importance sampling)")
-def cispo(x: TrustRegionInput, *, ratio_cap: float | None):
+@register_trust_region(
+    "cispo", equation="w = min(r, C) * A (truncated importance sampling)", check_settings=_check_ratio_cap
+)
+def cispo(x: TrustRegionInput, *, ratio_cap: float | None = 3.0):
+    """PG-TIS / CISPO as the paper's stability baseline: C = 3 (appendix C.1). Not GRPOTrainer's `loss_type="cispo"`,
+    which DPPOConfig refuses: that one is CISPO's whole loss, here the trust region is the only part that changes."""
     everything = torch.ones_like(x.trainer_logps, dtype=torch.bool)
     return dppo_gradient_weights(x.trainer_logps, x.sampler_logps, x.advantages, everything, ratio_cap), everything
 
 
 @register_trust_region(
-    "negative_mask", equation="w = M * r * A, M = 0 iff A < 0 and mu_base - pi >= negative_mask_threshold"
+    "negative_mask",
+    equation="w = M * r * A, M = 0 iff A < 0 and mu_base - pi >= drop",
+    check_settings=_check_probability("drop"),
 )
-def negative_mask(x: TrustRegionInput, *, negative_mask_threshold: float):
-    keep = negative_update_keep(x.trainer_logps, x.base_logps, x.advantages, negative_mask_threshold)
+def negative_mask(x: TrustRegionInput, *, drop: float = 0.5):
+    """The paper's RQ3 minimal mask: only large negative updates are blocked (its threshold: a drop of 0.5)."""
+    keep = negative_update_keep(x.trainer_logps, x.base_logps, x.advantages, drop)
     return dppo_gradient_weights(x.trainer_logps, x.sampler_logps, x.advantages, keep), keep
 
 
-@register_trust_region("relaxed_clip", equation="w = M * r * A, M = grpo's clip except M = 1 where mu_base < alpha")
-def relaxed_clip(x: TrustRegionInput, *, epsilon_low: float, epsilon_high: float, relaxed_clip_below: float):
-    """The paper's efficiency probe (section 6): PPO's clip, with epsilon -> infinity on both sides for rare tokens."""
-    rare = x.base_logps.exp() < relaxed_clip_below
+@register_trust_region(
+    "relaxed_clip",
+    equation="w = M * r * A, M = grpo's clip except M = 1 where mu_base < alpha",
+    check_settings=_check_probability("alpha"),
+)
+def relaxed_clip(x: TrustRegionInput, *, epsilon_low: float, epsilon_high: float, alpha: float = 0.1):
+    """The paper's efficiency probe (section 6): PPO's clip, with epsilon -> infinity on both sides for tokens the
+    sampler drew with probability below alpha (the paper's 0.1 learned substantially faster than GRPO's clip)."""
+    rare = x.base_logps.exp() < alpha
     keep = ratio_clip_keep(x.ratio, x.advantages, epsilon_low, epsilon_high) | rare
     return dppo_gradient_weights(x.trainer_logps, x.sampler_logps, x.advantages, keep), keep

@@ -129,7 +129,9 @@ class HHPolicyArguments:
     max_prompt_length: int = field(default=128, metadata={"help": "Prompts longer than this (tokens) are dropped."})
     max_completion_length: int = field(default=48, metadata={"help": "Longest reply, in tokens."})
     divergence: str = field(default="binary_tv", metadata={"help": "DPPO divergence (see DPPOConfig)."})
-    delta: float = field(default=0.15, metadata={"help": "DPPO trust-region threshold."})
+    divergence_delta: float = field(
+        default=0.15, metadata={"help": "DPPO trust-region threshold (DPPOConfig.divergence_delta)."}
+    )
     eval_prompts: int = field(default=64, metadata={"help": "Held-out prompts the policy is scored on."})
     eval_samples: int = field(default=2, metadata={"help": "Sampled replies per held-out prompt (temperature 1)."})
     samples_shown: int = field(default=4, metadata={"help": "Typical before/after replies written to samples.md."})
@@ -225,7 +227,7 @@ def _train_policy(
         temperature=1.0,
         max_completion_length=args.max_completion_length,
         divergence=args.divergence,
-        delta=args.delta,
+        divergence_delta=args.divergence_delta,
         logging_steps=1,
         save_strategy="no",
         report_to="none",

@@ -17,7 +17,7 @@ samples per prompt; delta 0.2 TV, 0.15 TV for the LoRA configuration, or 0.05 KL
         --reward_model_name_or_path Skywork/Skywork-Reward-Llama-3.1-8B-v0.2 \
         --dataset_subset harmless-base \
         --use_peft true --lora_r 16 --lora_alpha 32 --lora_target_modules all-linear \
-        --learning_rate 1e-5 --divergence binary_tv --delta 0.15 \
+        --learning_rate 1e-5 --divergence binary_tv --divergence_delta 0.15 \
         --temperature 1.0 --num_generations 8 \
         --generation_batch_size 1024 \
         --per_device_train_batch_size 4 --gradient_accumulation_steps 4 \
@@ -30,8 +30,8 @@ Here a rollout is 128 prompts x 8 samples (generation_batch_size 1024 completion
 prompts (8 processes x 4 completions x 4 accumulation steps = 128 completions), so one rollout feeds 8 optimizer steps
 and all but the first are off-policy: the regime where DPPO's trust region matters. For the other settings of the
 table: `--num_generations 16 --generation_batch_size 2048` (n = 16), `--gradient_accumulation_steps 8` (mini-batch 32
-prompts), `--divergence binary_kl --delta 0.05` (KL), or full fine-tuning with `--use_peft false --learning_rate 1e-6
---delta 0.2` under `--config_file examples/accelerate_configs/zero3.yaml`. On one GPU drop the config file
+prompts), `--divergence binary_kl --divergence_delta 0.05` (KL), or full fine-tuning with `--use_peft false --learning_rate 1e-6
+--divergence_delta 0.2` under `--config_file examples/accelerate_configs/zero3.yaml`. On one GPU drop the config file
 and raise `--gradient_accumulation_steps` to 32 (the same 128 completions per optimizer step).
 
 The same run from a recipe: `accelerate launch --config_file examples/accelerate_configs/multi_gpu.yaml

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..config import EXPERIMENTAL_DPPO_RENAMES
+from ..config import REMOVED_NAMES
 from .default_model import DEFAULT_MODEL, resolve_model
 
 
@@ -64,7 +64,7 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "ddp_find_unused_parameters": False,
     "divergence": "binary_tv",
-    "delta": 0.15,
+    "divergence_delta": 0.15,
 }
 
 
@@ -135,7 +135,8 @@ def parse_with_defaults(parser: Any, defaults: Mapping[str, Any], args: Sequence
 
     Precedence, lowest first: the dataclasses' own defaults, ``defaults``, the YAML file, the command line. GRPOConfig
     refuses both ``generation_batch_size`` and ``steps_per_generation``, so a default for one is dropped when the
-    user sets the other. ``trl.experimental.dppo``'s argument names are refused with their new names.
+    user sets the other. Names DPPOConfig no longer takes (``trl.experimental.dppo``'s, trl-dppo 0.1's) are refused with
+    what to write instead.
     """
     args = list(sys.argv[1:] if args is None else args)
     given = {a[2:].split("=")[0].replace("-", "_") for a in args if a.startswith("--")}
@@ -144,9 +145,9 @@ def parse_with_defaults(parser: Any, defaults: Mapping[str, Any], args: Sequence
 
         with open(args[args.index("--config") + 1]) as f:
             given |= set(yaml.safe_load(f) or {})
-    renamed = [f"--{old} is now --{new}" for old, new in EXPERIMENTAL_DPPO_RENAMES.items() if old in given]
-    if renamed:
-        raise ValueError(f"trl.experimental.dppo's argument names: {', '.join(renamed)}.")
+    removed = [f"--{old} is now --{new}" for old, new in REMOVED_NAMES.items() if old in given]
+    if removed:
+        raise ValueError(f"Arguments DPPOConfig no longer takes: {'; '.join(removed)}.")
     defaults = dict(defaults)
     for chosen, dropped in _EXCLUSIVE:
         if chosen in given:
@@ -272,7 +273,7 @@ def train_and_report(
         "learning_rate": args.learning_rate,
         "num_generations": args.num_generations,
         "divergence": args.divergence,
-        "delta": args.delta,
+        "divergence_delta": args.divergence_delta,
     }
     summary = write_run_outputs(trainer, fields, runtime_s=time.time() - start)
     if summary is not None:

@@ -1,0 +1,264 @@
+"""What DPPOTrainer logs about its trust region, apart from the algorithm.
+
+`trust_region_sums` is a pure function: the per-token quantities of one loss computation reduced to sums over a token
+mask (not yet gathered over processes), so a trainer can log them over any subset of tokens (the asynchronous
+trainer logs them per policy lag). `TrustRegionDiagnostics`, owned by the trainer and called once per loss, gathers
+them over processes into the logged metrics, keeps the masked-token counts behind `masked_tokens.json` (training state:
+saved in each checkpoint and restored on resume) and, with truncated vLLM sampling, the truncation gap.
+
+The metrics (see docs/metrics.md):
+
+- `trust_region/masked_fraction` (`_pos_adv`, `_neg_adv`): loss tokens the trust region blocked;
+  `trust_region/ratio_limited_tokens`: kept tokens whose ratio pi / mu reached `losses.LOG_RATIO_LIMIT`.
+- `mismatch/*`: the trainer's pi against the sampler's mu_base, the distribution the sampler had before any
+  truncation or penalty (mu itself when it sampled untruncated, as by default); `mismatch/at_sync_*` the same on the
+  first optimizer step after each generation, before any update; `mismatch/missing_sampler_logps`: loss tokens
+  without a sampler log-probability, taken out of the loss.
+- `diagnostics/*`: the paper's "bad updates" (A < 0 and mu_base - pi >= 0.5) and how many PPO's clip and DPPO's mask
+  would block; `tokens_by_mu/*` (with `log_tokens_by_mu`): counts by the sampler's probability.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+
+import torch
+from accelerate.utils import gather_object
+from transformers import TrainerCallback
+
+from .losses import LOG_RATIO_LIMIT, ratio_clip_keep
+
+
+__all__ = ["MU_BUCKETS", "MU_BUCKET_EDGES", "TrustRegionDiagnostics", "trust_region_sums"]
+
+# In each checkpoint: the masked-token counts summed over processes, restored on resume
+MASKED_TOKEN_COUNTS_NAME = "dppo_masked_token_counts.json"
+# Sampler-probability buckets for the masked/kept token counts (`tokens_by_mu/<label>/...` metrics)
+MU_BUCKET_EDGES = (1e-3, 1e-2, 1e-1, 0.5, 0.9)
+MU_BUCKETS = ("<0.001", "0.001-0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9", ">=0.9")
+# The paper's RQ3 "bad update": a negative-advantage token whose probability dropped by this much
+BAD_UPDATE_DROP = 0.5
+
+
+@torch.no_grad()
+def trust_region_sums(
+    mask: torch.Tensor,
+    keep: torch.Tensor,
+    dppo_keep: torch.Tensor,
+    advantages: torch.Tensor,
+    sampler_logps: torch.Tensor,
+    base_logps: torch.Tensor,
+    trainer_logps: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    by_mu: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Sums over the tokens of `mask` `(B, T)` of what the trust region did, as 0-d tensors.
+
+    `keep` is the trust region's mask, `dppo_keep` DPPO's own (the diagnostics compare it with PPO's clip whatever the
+    method); `sampler_logps` log mu (for the ratio), `base_logps` log mu_base (for the mismatch and the bad updates),
+    `trainer_logps` log pi. Fractions are ratios of two sums (`masked` / `tokens`, ...), so that sums over processes or
+    over steps give the exact fraction; `abs_prob_diff_max` is a max, not a sum.
+    """
+    advantages = advantages.expand_as(mask)
+    masked = ~keep & mask
+    pos, neg = (advantages > 0) & mask, (advantages < 0) & mask
+    mu, pi = base_logps.double().exp(), trainer_logps.double().exp()
+    prob_diff = (pi - mu).abs()
+    log_ratio = trainer_logps.double() - base_logps.double()
+    # k3 estimator r - 1 - log r of KL(mu || pi) on tokens drawn from mu: unbiased and never negative
+    kl = torch.expm1(log_ratio) - log_ratio
+    ppo_clipped = ~ratio_clip_keep(log_ratio.exp(), advantages, epsilon_low, epsilon_high)
+    bad = (advantages < 0) & (mu - pi >= BAD_UPDATE_DROP) & mask
+    limited = keep & mask & (trainer_logps.double() - sampler_logps.double() > LOG_RATIO_LIMIT)
+    sums = {
+        "masked": masked.sum(),
+        "tokens": mask.sum(),
+        "masked_pos_adv": (masked & pos).sum(),
+        "pos_adv": pos.sum(),
+        "masked_neg_adv": (masked & neg).sum(),
+        "neg_adv": neg.sum(),
+        "ratio_limited": limited.sum(),
+        "abs_prob_diff": torch.where(mask, prob_diff, 0.0).sum(),
+        "abs_prob_diff_max": prob_diff[mask].max() if mask.any() else prob_diff.new_zeros(()),
+        "kl": torch.where(mask, kl, 0.0).sum(),
+        "bad": bad.sum(),
+        "bad_ppo_clipped": (bad & ppo_clipped).sum(),
+        "bad_dppo_masked": (bad & ~dppo_keep).sum(),
+    }
+    if by_mu:
+        # Where the mask and PPO's ratio clip (at the config's epsilon) act, by the sampler's probability
+        bucket = torch.bucketize(mu, torch.tensor(MU_BUCKET_EDGES, dtype=mu.dtype, device=mu.device), right=True)
+        for b, label in enumerate(MU_BUCKETS):
+            in_bucket = (bucket == b) & mask
+            sums[f"tokens_by_mu/{label}/total"] = in_bucket.sum()
+            sums[f"tokens_by_mu/{label}/masked"] = (in_bucket & masked).sum()
+            sums[f"tokens_by_mu/{label}/ppo_clipped"] = (in_bucket & ppo_clipped).sum()
+    return sums
+
+
+def metrics_from_sums(sums: dict[str, float], prefix: str = "") -> dict[str, float]:
+    """The logged metrics of `trust_region_sums` gathered over processes; `prefix` goes after each metric's group
+    (e.g. `"lag_1/"` gives `trust_region/lag_1/masked_fraction`)."""
+
+    def fraction(num: str, den: str) -> float:
+        return sums[num] / max(sums[den], 1.0)
+
+    metrics = {
+        f"trust_region/{prefix}masked_fraction": fraction("masked", "tokens"),
+        f"trust_region/{prefix}masked_fraction_pos_adv": fraction("masked_pos_adv", "pos_adv"),
+        f"trust_region/{prefix}masked_fraction_neg_adv": fraction("masked_neg_adv", "neg_adv"),
+        f"trust_region/{prefix}ratio_limited_tokens": sums["ratio_limited"],
+        f"mismatch/{prefix}abs_prob_diff_mean": fraction("abs_prob_diff", "tokens"),
+        f"mismatch/{prefix}abs_prob_diff_max": sums["abs_prob_diff_max"],
+        f"mismatch/{prefix}kl_mean": fraction("kl", "tokens"),
+        f"diagnostics/{prefix}bad_update_fraction": fraction("bad", "tokens"),
+        f"diagnostics/{prefix}bad_updates_blocked_by_ppo_clip": fraction("bad_ppo_clipped", "bad"),
+        f"diagnostics/{prefix}bad_updates_blocked_by_dppo_mask": fraction("bad_dppo_masked", "bad"),
+    }
+    metrics.update({name: value for name, value in sums.items() if name.startswith("tokens_by_mu/")})
+    return metrics
+
+
+def gather_sums(accelerator, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each sum added over processes (and `*_max` maxed), in two collectives."""
+    maxima = [name for name in sums if name.endswith("_max")]
+    totals = [name for name in sums if name not in maxima]
+    out = dict(
+        zip(totals, accelerator.reduce(torch.stack([sums[n] for n in totals]).double(), "sum").tolist(), strict=True)
+    )
+    if maxima:
+        gathered = accelerator.gather(torch.stack([sums[n] for n in maxima]).double()[None])
+        out.update(zip(maxima, gathered.amax(0).tolist(), strict=True))
+    return out
+
+
+class TrustRegionDiagnostics:
+    """The trainer's diagnostics: metrics per loss computation, the masked-token counts and their checkpoint file.
+
+    `trainer` is a DPPOTrainer (or a subclass): its accelerator, `_metrics`, config and tokenizer are read.
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.masked_token_counts = {"positive": Counter(), "negative": Counter()}
+
+    def record(
+        self,
+        mode: str,
+        at_sync: bool,
+        completion_ids: torch.Tensor,
+        mask: torch.Tensor,
+        keep: torch.Tensor,
+        dppo_keep: torch.Tensor,
+        advantages: torch.Tensor,
+        sampler_logps: torch.Tensor,
+        base_logps: torch.Tensor,
+        trainer_logps: torch.Tensor,
+        missing_sampler_logps: torch.Tensor,
+    ) -> None:
+        """Log one loss computation's metrics (every process calls it: they are gathered). `at_sync`: no update since
+        the batch was sampled, so the gap is the sampler-trainer mismatch alone (precision, kernels)."""
+        args = self.trainer.args
+        settings = self.trainer.epsilon_low, self.trainer.epsilon_high
+        advantages = advantages.expand_as(mask)
+        masked = ~keep & mask
+        for sign, side in (("positive", advantages > 0), ("negative", advantages < 0)):
+            self.masked_token_counts[sign].update(completion_ids[masked & side].tolist())
+        sums = trust_region_sums(
+            mask,
+            keep,
+            dppo_keep,
+            advantages,
+            sampler_logps,
+            base_logps,
+            trainer_logps,
+            *settings,
+            args.log_tokens_by_mu,
+        )
+        sums["missing_sampler_logps"] = missing_sampler_logps
+        gathered = gather_sums(self.trainer.accelerator, sums)
+        metrics = self.trainer._metrics[mode]
+        for name, value in metrics_from_sums(gathered).items():
+            metrics[name].append(value)
+        metrics["mismatch/missing_sampler_logps"].append(gathered["missing_sampler_logps"])
+        if mode == "train" and at_sync:
+            for name in ("abs_prob_diff_mean", "abs_prob_diff_max", "kl_mean"):
+                metrics[f"mismatch/at_sync_{name}"].append(metrics[f"mismatch/{name}"][-1])
+
+    def record_truncation_gap(self, mask: torch.Tensor, sampler_logps: torch.Tensor, trainer_logps: torch.Tensor):
+        """With `vllm_allow_truncated_sampling`, on the first optimizer step after a generation (the trainer's weights
+        are the sampler's): mu/pi - 1 estimates (1 - Z)/Z, Z the mass the truncation kept, and mu - pi the spurious
+        binary TV, compared with delta_low."""
+        mu, pi = sampler_logps.double().exp(), trainer_logps.double().exp()
+        over = (mu - pi > self.trainer.args.delta_low) & mask
+        sums = gather_sums(
+            self.trainer.accelerator,
+            {"gap": torch.where(mask, mu / pi - 1, 0.0).sum(), "over": over.sum(), "tokens": mask.sum()},
+        )
+        metrics = self.trainer._metrics["train"]
+        metrics["truncation/kept_mass_gap"].append(sums["gap"] / max(sums["tokens"], 1.0))
+        metrics["truncation/spurious_tv_over_delta_fraction"].append(sums["over"] / max(sums["tokens"], 1.0))
+
+    # --------------------------------------------------------------------------------------- masked-token counts
+
+    def counts_over_processes(self) -> dict[str, Counter]:
+        """The masked-token counts summed over processes (every process must call it)."""
+        total = {sign: Counter() for sign in self.masked_token_counts}
+        for counts in gather_object([self.masked_token_counts]):
+            for sign, counter in counts.items():
+                total[sign].update(counter)
+        return total
+
+    def masked_tokens_report(self, top: int = 20) -> dict[str, list[dict]]:
+        """The tokens the trust region masked most often over all processes, decoded, per advantage sign."""
+        decode = self.trainer.processing_class.decode
+        return {
+            sign: [
+                {"token": decode([token_id]), "id": token_id, "count": count}
+                for token_id, count in counter.most_common(top)
+            ]
+            for sign, counter in self.counts_over_processes().items()
+        }
+
+    def save_counts(self, folder: str, should_save: bool) -> None:
+        """Write the counts summed over processes into a checkpoint folder (every process calls it)."""
+        counts = self.counts_over_processes()
+        if should_save:
+            with open(os.path.join(folder, MASKED_TOKEN_COUNTS_NAME), "w") as f:
+                json.dump({sign: dict(counter) for sign, counter in counts.items()}, f)
+
+    def load_counts(self, checkpoint: str | None) -> None:
+        """Continue the counts of a checkpoint being resumed (the main process holds the sum; the others restart)."""
+        path = os.path.join(checkpoint, MASKED_TOKEN_COUNTS_NAME) if checkpoint else None
+        if not (path and os.path.isfile(path)):
+            return
+        self.masked_token_counts = {"positive": Counter(), "negative": Counter()}
+        if self.trainer.accelerator.is_main_process:
+            with open(path) as f:
+                for sign, counts in json.load(f).items():
+                    self.masked_token_counts[sign].update({int(i): c for i, c in counts.items()})
+
+    def callback(self) -> TrainerCallback:
+        """Writes `masked_tokens.json` into `output_dir` at each save and at the end of training."""
+        return _MaskedTokensWriter(self)
+
+
+class _MaskedTokensWriter(TrainerCallback):
+    def __init__(self, diagnostics: TrustRegionDiagnostics):
+        self.diagnostics = diagnostics
+
+    def _write(self, args, state) -> None:
+        report = self.diagnostics.masked_tokens_report()  # every process takes part: the counts are summed over them
+        if state.is_world_process_zero and args.output_dir:
+            os.makedirs(args.output_dir, exist_ok=True)
+            with open(os.path.join(args.output_dir, "masked_tokens.json"), "w") as f:
+                json.dump(report, f, indent=1)
+
+    def on_save(self, args, state, control, **kwargs):
+        self._write(args, state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._write(args, state)
