@@ -47,7 +47,7 @@ def test_a_jobs_help_lists_trl_flags(capsys):
         main(["math", "--help"])
     out = capsys.readouterr().out
     assert out.startswith("usage: trl-dppo math")
-    for flag in ("--divergence", "--delta", "--use_vllm", "--load_in_4bit", "--num_operands"):
+    for flag in ("--divergence", "--divergence_delta", "--trust_region_kwargs", "--use_vllm", "--load_in_4bit"):
         assert flag in out
 
 
@@ -64,6 +64,45 @@ def test_math_runs_two_steps_offline_on_the_default_model(tmp_path, monkeypatch)
     assert huggingface_hub.constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
     assert (out / "adapter_config.json").is_file()
     assert "Rethinking the Trust Region in LLM Reinforcement Learning" in (out / "README.md").read_text()
+
+
+OUTSIDE_METHOD = """
+from trl_dppo.losses import dppo_gradient_weights
+from trl_dppo.trust_regions import TrustRegionInput, register_trust_region
+
+CAPS_SEEN = []
+
+
+@register_trust_region("outside_clip_lower", equation="w = M * min(r, cap) * A, M = 0 iff A < 0 and r < 1 - epsilon_low")
+def clip_lower(x: TrustRegionInput, *, epsilon_low: float, cap: float = 10.0):
+    CAPS_SEEN.append(cap)
+    keep = ~((x.advantages < 0) & (x.ratio < 1 - epsilon_low))
+    return dppo_gradient_weights(x.trainer_logps, x.sampler_logps, x.advantages, keep, cap), keep
+"""
+
+
+def test_a_trust_region_from_outside_the_package_trains_from_a_yaml_recipe_and_command_line_flags(
+    tmp_path, monkeypatch
+):
+    """The recipe names the method as 'module:name' (the module registers it when imported); the command line sets
+    its own setting through --trust_region_kwargs, over the recipe's."""
+    import importlib
+    import sys
+
+    from trl_dppo.trust_regions import TRUST_REGIONS
+
+    (tmp_path / "outside_methods.py").write_text(OUTSIDE_METHOD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "outside_methods", raising=False)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("trust_region: outside_methods:outside_clip_lower\ntrust_region_kwargs: {cap: 4.0}\n")
+    small = ["--max_steps", "1", "--num_examples", "8", "--num_generations", "4", "--per_device_train_batch_size", "4"]
+    try:
+        main(["math", "--config", str(recipe), *small, "--max_completion_length", "4", "--lora_r", "4",
+              "--trust_region_kwargs", '{"cap": 2.5}', "--output_dir", str(tmp_path / "run")])  # fmt: skip
+        assert set(importlib.import_module("outside_methods").CAPS_SEEN) == {2.5}
+    finally:
+        TRUST_REGIONS.pop("outside_clip_lower", None)  # the registry as the package leaves it
 
 
 def test_a_hub_model_leaves_the_hub_settings_alone(monkeypatch):

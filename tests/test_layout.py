@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +42,12 @@ def test_the_algorithm_imports_nothing_from_the_jobs():
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 imported = [getattr(node, "module", None) or "", *(alias.name for alias in node.names)]
                 assert not any("jobs" in name.split(".") for name in imported), f"{module.name} imports {imported}"
+
+
+def test_nothing_in_the_package_assigns_to_a_config_field_after_construction():
+    """A training config (`args`, `training_args`) is settled when built (its __post_init__ resolves defaults); the
+    trainers and the jobs only read it."""
+    assignment = re.compile(r"(?<![\w.])(?:self\.)?(?:args|training_args)\.\w+\s*(?:=(?!=)|\+=|-=)")
+    for module in Path(trl_dppo.__file__).parent.rglob("*.py"):
+        for number, line in enumerate(module.read_text().splitlines(), 1):
+            assert not assignment.search(line), f"{module.name}:{number}: {line.strip()}"

@@ -83,7 +83,8 @@ class DPPOConfig(GRPOConfig):
         trust_region (`str`, defaults to `"dppo"`):
             The trust region: `dppo`, or for ablations another method registered in `trl_dppo.trust_regions` (the
             paper's ladder, DRPO and the paper's relaxed clip; docs/trust_regions.md lists them with their
-            equations), or your own registered with `register_trust_region`.
+            equations), or your own registered with `register_trust_region`, as `"module.path:name"` to have its
+            module imported (from YAML or the command line).
         trust_region_kwargs (`dict` or `str`, *optional*):
             The method's own settings, e.g. `{"ratio_cap": 10}` for `dppo` or `{"alpha": 0.05}` for `relaxed_clip`
             (a JSON string on the command line). Unset ones take the method's defaults, which follow the paper.
@@ -150,8 +151,8 @@ class DPPOConfig(GRPOConfig):
             "per-token weight w of grad log pi (r = pi/mu, A the advantage, C a ratio cap, D the divergence) and "
             "[its own settings with their defaults]: "
             + "; ".join(_settings_help(name) for name in TRUST_REGIONS)
-            + ". Methods registered with trl_dppo.trust_regions.register_trust_region are accepted too.",
-            "choices": TRUST_REGIONS.keys(),  # a live view: methods registered later are accepted
+            + ". Your own method: 'module.path:name', where importing module.path registers `name` with "
+            "trl_dppo.trust_regions.register_trust_region.",
         },
     )
     trust_region_kwargs: dict | str | None = field(

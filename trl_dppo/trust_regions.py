@@ -21,6 +21,7 @@ C = 3 for the truncated-importance-sampling baseline (PG-TIS / CISPO).
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -175,12 +176,19 @@ def register_trust_region(
 
 
 def get_trust_region(name: str) -> TrustRegion:
-    if name not in TRUST_REGIONS:
+    """The method registered as `name`; `"module.path:name"` imports `module.path` first (which registers it), so a
+    method defined outside the package can be chosen from YAML or the command line."""
+    module, _, registered = name.rpartition(":")
+    if module and registered not in TRUST_REGIONS:
+        importlib.import_module(module)
+    if registered not in TRUST_REGIONS:
+        where = f"importing {module} registered no method of that name; " if module else ""
         raise ValueError(
-            f"trust_region={name!r} is not registered; the trust regions are {', '.join(TRUST_REGIONS)} (register "
-            "your own with trl_dppo.trust_regions.register_trust_region before building the DPPOConfig)."
+            f"trust_region={name!r} is not registered: {where}the trust regions are {', '.join(TRUST_REGIONS)}. "
+            "Register your own with trl_dppo.trust_regions.register_trust_region, and name it as 'module.path:name' "
+            "to have the module imported."
         )
-    return TRUST_REGIONS[name]
+    return TRUST_REGIONS[registered]
 
 
 def _check_ratio_cap(ratio_cap: float | None, **_: Any) -> None:

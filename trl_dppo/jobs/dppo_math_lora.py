@@ -46,8 +46,8 @@ from .script_utils import (
     quantization_config_for,
     resolve_offline_default,
     run_job,
-    set_model_init_kwargs,
     train_and_report,
+    with_model_init_kwargs,
 )
 
 
@@ -88,7 +88,7 @@ def main(script_args: MathScriptArguments, training_args: DPPOConfig, model_args
     start = time.time()
     quantization_config = quantization_config_for(model_args)
     model_path = resolve_offline_default(model_args.model_name_or_path)
-    set_model_init_kwargs(training_args, model_args)
+    training_args = with_model_init_kwargs(training_args, model_args)
     dataset = arithmetic_dataset(
         script_args.num_examples,
         seed=script_args.prompt_seed,

@@ -62,8 +62,8 @@ from .script_utils import (
     device_defaults,
     quantization_config_for,
     run_job,
-    set_model_init_kwargs,
     train_and_report,
+    with_model_init_kwargs,
 )
 
 
@@ -142,7 +142,7 @@ def main(script_args: HHScriptArguments, training_args: DPPOConfig, model_args: 
     reward_model, reward_tokenizer = load_reward_model(
         script_args.reward_model_name_or_path, dtype=_dtype(script_args.reward_model_dtype)
     )
-    set_model_init_kwargs(training_args, model_args)
+    training_args = with_model_init_kwargs(training_args, model_args)
     trainer = DPPOTrainer(
         model=model_path,
         reward_funcs=reward_model,

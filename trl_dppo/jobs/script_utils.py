@@ -7,6 +7,7 @@ The summary is what a run leaves behind for later comparison and plotting: ``log
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -32,7 +33,7 @@ __all__ = [
     "quantization_config_for",
     "resolve_offline_default",
     "run_job",
-    "set_model_init_kwargs",
+    "with_model_init_kwargs",
     "summarize_log_history",
     "train_and_report",
     "use_hub_offline",
@@ -74,14 +75,18 @@ def device_defaults() -> dict[str, Any]:
     return {"bf16": cuda, "use_cpu": not cuda}
 
 
-def set_model_init_kwargs(training_args: Any, model_args: Any) -> None:
-    """Pass ModelConfig's loading options (dtype, attention, revision) on to the trainer, as TRL's scripts do."""
-    training_args.model_init_kwargs = {
+def with_model_init_kwargs(training_args: Any, model_args: Any) -> Any:
+    """A copy of the trainer's config that passes ModelConfig's loading options (dtype, attention, revision) on to the
+    model, as TRL's scripts do; the parsed config itself is left as it is."""
+    settings = {f.name: getattr(training_args, f.name) for f in dataclasses.fields(training_args) if f.init}
+    settings.pop("generation_batch_size")  # derived from steps_per_generation, which is kept (GRPOConfig takes one)
+    settings["model_init_kwargs"] = {
         "dtype": model_args.dtype,
         "attn_implementation": model_args.attn_implementation,
         "revision": model_args.model_revision,
         **(training_args.model_init_kwargs or {}),
     }
+    return type(training_args)(**settings)
 
 
 def quantization_config_for(model_args: Any) -> Any:
