@@ -89,6 +89,14 @@ def build_tiny_model(tokenizer, seed: int = 0, head_scale: float = 30.0, hidden_
 
 
 @pytest.fixture(scope="session")
+def tool_tokenizer(tokenizer):
+    """SmolLM2's tokenizer with a chat template that renders tools (see tests/multi_turn.py)."""
+    from .multi_turn import with_tool_chat_template
+
+    return with_tool_chat_template(tokenizer)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tokenizer, tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     build_tiny_model(tokenizer).save_pretrained(path)
@@ -156,6 +164,7 @@ def make_trainer(
     trainer_cls=DPPOTrainer,
     config_cls=DPPOConfig,
     trainer_kwargs=None,
+    reward_funcs=length_reward,
     **overrides,
 ):
     settings = dict(
@@ -174,7 +183,7 @@ def make_trainer(
     settings.update(overrides)
     return trainer_cls(
         model=model_dir,
-        reward_funcs=length_reward,
+        reward_funcs=reward_funcs,
         args=config_cls(**settings),
         train_dataset=prompts,
         processing_class=tokenizer,

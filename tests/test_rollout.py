@@ -55,11 +55,16 @@ OPTIONS = {
 }
 
 
-def generate_and_record(model, prompt, topk=0, logits_processor=None, **options):
+# What `recording_generate` replaces for the duration of a call, on the instance
+HOOKED = ("generate", "_get_logits_processor")
+
+
+def generate_and_record(model, prompt, topk=0, logits_processor=None, records=None, **options):
     settings = dict(do_sample=True, temperature=TEMPERATURE, max_new_tokens=6, top_k=0, pad_token_id=0)
     config = GenerationConfig(**{**settings, "eos_token_id": None, **options})
     recorder = SamplerLogprobRecorder(topk, TEMPERATURE)
-    records = SamplerRecords(topk)
+    records = SamplerRecords(topk) if records is None else records
+    own = [vars(model).get(name) for name in HOOKED]
     with torch.no_grad(), recording_generate(model, recorder):
         out = model.generate(
             **prompt,
@@ -69,7 +74,7 @@ def generate_and_record(model, prompt, topk=0, logits_processor=None, **options)
             output_logits=True,
             return_dict_in_generate=True,
         )
-    assert "generate" not in vars(model) and "_get_logits_processor" not in vars(model)  # hooks removed
+    assert [vars(model).get(name) for name in HOOKED] == own  # hooks removed, the instance's own attributes back
     completion = out.sequences[:, prompt["input_ids"].size(1) :]
     values = recorder.finish(completion.tolist(), records)
     # transformers' own record of the distribution it sampled from, and of the raw logits
@@ -189,3 +194,74 @@ def test_transformers_binary_records_are_plain_floats_without_rows(model_and_pro
     expected = at(processed, completion)
     atol = log_softmax_atol(model.vocab_size, expected.abs().max())
     torch.testing.assert_close(torch.tensor(values), expected, atol=atol, rtol=0)
+
+
+def test_a_generate_set_on_the_instance_survives_every_recorded_call(model_and_prompt):
+    """A library's or a user's wrapper on the model instance is what the recorder calls through, and what the instance
+    has again after each recorded call; the class's methods are never replaced."""
+    model, prompt = model_and_prompt
+    class_methods = [getattr(type(model), name) for name in HOOKED]
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(kwargs["generation_config"].max_new_tokens)
+        return type(model).generate(model, *args, **kwargs)
+
+    model.generate = wrapper
+    try:
+        for seed in range(3):
+            torch.manual_seed(seed)
+            _, values, _, _, _ = generate_and_record(model, prompt)
+            assert vars(model)["generate"] is wrapper and "_get_logits_processor" not in vars(model)
+            assert [len(v) for v in values] == [6, 6]
+    finally:
+        del model.generate
+    assert calls == [6, 6, 6]
+    assert [getattr(type(model), name) for name in HOOKED] == class_methods
+
+
+def test_nested_recordings_restore_the_outer_hooks_then_the_class_methods(model_and_prompt):
+    model, _ = model_and_prompt
+    with recording_generate(model, SamplerLogprobRecorder()):
+        outer = [vars(model)[name] for name in HOOKED]
+        with recording_generate(model, SamplerLogprobRecorder()):
+            assert [vars(model)[name] for name in HOOKED] != outer
+        assert [vars(model)[name] for name in HOOKED] == outer
+    assert not [name for name in HOOKED if name in vars(model)]
+
+
+def test_a_generate_that_bypasses_transformers_sampling_fails_naming_the_cause(model_and_prompt):
+    """A replaced `generate` that returns tokens it did not sample through transformers' loop leaves nothing to record
+    as mu: the error says so and what to do, instead of blaming the processor chain."""
+    model, prompt = model_and_prompt
+    length = prompt["input_ids"].size(1)
+    model.generate = lambda input_ids, **kwargs: torch.cat([input_ids, torch.full((len(input_ids), 3), 7)], 1)
+    recorder = SamplerLogprobRecorder()
+    try:
+        with recording_generate(model, recorder):
+            out = model.generate(**prompt, do_sample=True, max_new_tokens=3)
+    finally:
+        del model.generate
+    with pytest.raises(RuntimeError, match="bypassed transformers' sampling") as error:
+        recorder.finish(out[:, length:].tolist(), SamplerRecords())
+    assert "no distribution was recorded as mu" in str(error.value)
+    assert "a wrapper should call the one it replaces" in str(error.value)
+
+
+def test_a_call_without_processors_tags_its_tokens_after_one_that_recorded_mu_base(model_and_prompt):
+    """Two calls of one generation batch (a tool call between them), a user's processor in the first only: the second
+    records no mu_base of its own, and still tags its tokens, since such a batch needs a row for every model token
+    (its mu_base is its mu)."""
+    model, prompt = model_and_prompt
+    records = SamplerRecords(0)
+    torch.manual_seed(0)
+    _, first, _, _, _ = generate_and_record(model, prompt, 0, LogitsProcessorList([BanEveryThirdToken()]), records)
+    _, second, _, _, _ = generate_and_record(model, prompt, 0, None, records)
+    assert records.has_base
+    assert (tagged_rows(first, 6) >= 0).all() and (tagged_rows(second, 6) >= 0).all()
+    records.rollout_logprobs = [row + [0.0] + more for row, more in zip(first, second, strict=True)]
+    sampling = torch.tensor(records.rollout_logprobs, dtype=torch.float64).float()
+    loss_mask = torch.ones(2, 13)
+    loss_mask[:, 6] = 0  # the tool result
+    batch = records.batch_tensors(torch.zeros(2, 13, dtype=torch.long), sampling, loss_mask)
+    assert torch.equal(batch["sampler_base_logps"][:, 7:], sampling[:, 7:])

@@ -8,11 +8,12 @@ import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from trl_dppo import dppo_per_token_loss
+from trl_dppo import DPPOConfig, DPPOTrainer, dppo_per_token_loss
 from trl_dppo.diagnostics import MU_BUCKETS
 from trl_dppo.records import MissingRecordsError
 
 from .conftest import PolicyForwardCounter, make_trainer, spy_on_trust_region, tiny_model_logprob_atol
+from .multi_turn import force_on_first_turn
 
 
 REQUIRED_METRICS = [
@@ -153,6 +154,41 @@ def test_missing_sampler_logprobs_leave_the_loss_and_are_counted(tmp_path, tiny_
     assert all(torch.isfinite(p.grad).all() for p in trainer.model.parameters() if p.grad is not None)
     assert trainer._metrics["train"]["mismatch/missing_sampler_logps"][-1] == 3 * 8
     assert "tool_mask" not in batch  # the caller's batch is left as it was
+
+
+def test_truncated_completions_leave_the_loss_as_in_grpo_with_mask_truncated_completions(
+    tmp_path, tiny_model_dir, prompts, tokenizer
+):
+    """A `generate` wrapper ends every other completion after a few tokens (EOS); the others run into
+    max_completion_length. On the same first batch DPPO's loss mask is GRPOTrainer's: truncated completions leave the
+    loss whole, in attention and in DPPO's trust region, for every step."""
+    batches = {}
+    for name, trainer_cls, config_cls in (("grpo", GRPOTrainer, GRPOConfig), ("dppo", DPPOTrainer, DPPOConfig)):
+        args = (tmp_path / name, tiny_model_dir, prompts, tokenizer, trainer_cls, config_cls)
+        trainer = make_trainer(*args, mask_truncated_completions=True)
+        force_on_first_turn(trainer.model, tokenizer, "Done.<|im_end|>")
+        seen = batches[name] = []
+        compute_loss = trainer._compute_loss
+
+        def spy(model, inputs, compute_loss=compute_loss, seen=seen):
+            seen.append({key: inputs[key].clone() for key in ("completion_ids", "completion_mask")})
+            return compute_loss(model, inputs)
+
+        trainer._compute_loss = spy
+        trust_region = spy_on_trust_region(trainer) if name == "dppo" else None
+        trainer.train()
+    grpo, dppo = batches["grpo"][0], batches["dppo"][0]
+    assert torch.equal(grpo["completion_ids"], dppo["completion_ids"])
+    assert torch.equal(grpo["completion_mask"], dppo["completion_mask"])
+    assert len(trust_region) == len(batches["dppo"]) == 2
+    for batch, (_, _, mask, _) in zip(batches["dppo"], trust_region, strict=True):
+        ids = batch["completion_ids"]
+        ended = (ids == tokenizer.eos_token_id).any(-1)
+        assert ended.any() and (~ended).any()
+        assert not batch["completion_mask"][~ended].any() and batch["completion_mask"][ended].any()
+        assert not mask[~ended].any()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 2 and all(math.isfinite(entry["loss"]) for entry in logs)
 
 
 def test_checkpoint_saves_and_training_resumes(tmp_path, tiny_model_dir, prompts, tokenizer):

@@ -174,19 +174,25 @@ class SamplerLogprobRecorder:
         if self._pending is not None:
             last = [ids[self.steps] if len(ids) > self.steps else 0 for ids in completion_ids]
             self._resolve(torch.tensor(last, device=self._pending[0][0].device))
+        lengths = [len(ids) for ids in completion_ids]  # the steps after a completion ended are padding
+        if max(lengths, default=0) > self.steps:
+            raise RuntimeError(
+                f"generate() returned a completion of {max(lengths)} tokens, but transformers' sampling loop drew "
+                f"{self.steps}: generation bypassed transformers' sampling (a replaced or overridden `generate` that "
+                "returns tokens it did not sample through `GenerationMixin.generate`, or a decoding loop that skips "
+                "its logits processors), so no distribution was recorded as mu for those tokens. Let the model's "
+                "`generate` reach transformers' own (a wrapper should call the one it replaces), or return the "
+                "sampler's log-probabilities from a `rollout_func`, or use vLLM generation (use_vllm=True)."
+            )
         if self.steps == 0:
-            if any(completion_ids):
-                raise RuntimeError(
-                    "generate() sampled tokens but the recorder saw no sampling step: its hooks were not in "
-                    "transformers' processor chain."
-                )
             return [[] for _ in completion_ids]
         records_of = {key: buffer[:, : self.steps] for key, buffer in self._buffers.items()}
         self._buffers = {}
-        lengths = [len(ids) for ids in completion_ids]  # the steps after a completion ended are padding
         if self.topk:
             _complete_recorded_kept_sets_(records_of, completion_ids, lengths)
-        if self.topk or self.with_base:
+        # A call without extra records still tags its tokens when an earlier call of the batch recorded some (a
+        # user's processor on one turn only): every model token of such a batch must carry a row
+        if self.topk or self.with_base or records.needed:
             kept = records_of.get("kept_ids"), records_of.get("kept_logps"), records_of.get("base")
             first_row = records.add(records_of["sampled"].shape, *kept)
             return list(tagged_lists(records_of["sampled"], lengths, first_row))
@@ -218,7 +224,9 @@ def recording_generate(model: torch.nn.Module, recorder: SamplerLogprobRecorder)
     """Within the block, `model.generate(...)` runs `recorder`'s hooks around transformers' own processor chain.
 
     transformers builds the chain in `_get_logits_processor` (processors, the caller's, then the sampling warpers) and
-    `_sample` draws each token from softmax of its output; the hooks are added to what that method returns.
+    `_sample` draws each token from softmax of its output; the hooks are added to what that method returns. The
+    model's `generate` as found is the one called (a wrapper set on the instance included), and after the block the
+    instance has exactly what it had, so repeated and nested blocks leave it as they found it.
     """
     # A PEFT model's generate() runs the base model's, which builds the chain
     generator = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -239,11 +247,25 @@ def recording_generate(model: torch.nn.Module, recorder: SamplerLogprobRecorder)
         max_steps = generation_config.max_new_tokens or generation_config.max_length
         return recorder.processors(original_chain(*args, **kwargs), max_steps)
 
-    model.generate, generator._get_logits_processor = generate, get_logits_processor
+    with _replaced(model, "generate", generate), _replaced(generator, "_get_logits_processor", get_logits_processor):
+        yield
+
+
+@contextmanager
+def _replaced(owner: object, name: str, value: object) -> Iterator[None]:
+    """Within the block `owner.name` is `value`; after it, the instance has again exactly what it had: its own attribute
+    (a library's or a user's wrapper, an outer block's hook) when it had one, else none, so the class's method shows.
+    The class itself is never touched."""
+    missing = object()
+    own = vars(owner).get(name, missing)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        del model.generate, generator._get_logits_processor  # back to the class's methods
+        if own is missing:
+            vars(owner).pop(name, None)
+        else:
+            setattr(owner, name, own)
 
 
 def _flat_floats(nested: list, count: int) -> np.ndarray:
