@@ -148,7 +148,7 @@ def test_a_masked_token_weighs_exactly_zero_at_any_ratio(log_ratio):
 
 @pytest.mark.parametrize("log_ratio", [20.0, 60.0, 100.0])
 def test_a_kept_tokens_ratio_is_used_up_to_2_to_the_64_and_limited_there(log_ratio):
-    """The uncapped weight is r * A, computed in float64; beyond 2**64 (log-ratio 44.4) it is 2**64 * A."""
+    """The uncapped weight is r * A; beyond 2**64 (log-ratio 44.4) it is 2**64 * A."""
     trainer = torch.tensor([[-0.5]])
     weights = dppo_gradient_weights(trainer, trainer - log_ratio, torch.tensor([[-2.0]]), torch.tensor([[True]]))
     expected = -2.0 * min(math.exp(log_ratio), 2.0**64)

@@ -33,23 +33,23 @@ __all__ = [
 # 2**128) to the backward pass, which multiplies the weight by activations and sums over hidden sizes. No ratio of a
 # sampler and a trainer that agree comes near it (a token mu gave 1e-19 that pi gives 1): the limit changes no weight
 # the paper's uncapped U1 would give in practice, and the trainer counts the tokens it binds
-# (`trust_region/ratio_limited_tokens`).
+# (`trust_region/ratio_limited_tokens`). Below it, ratios are float32 exactly as `exp(log pi - log mu)` gives them.
 LOG_RATIO_LIMIT = 64 * math.log(2)
 
 
 def importance_ratio(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor) -> torch.Tensor:
-    """r = pi / mu per token, in float64, at most exp(`LOG_RATIO_LIMIT`) = 2**64; NaN where either log-prob is NaN.
+    """r = pi / mu per token, float32, at most exp(`LOG_RATIO_LIMIT`) = 2**64; NaN where either log-prob is NaN.
 
     A sampler log-probability of -inf (mu = 0) gives the limit; the weights give such a token, which has no sampler
     probability, weight 0 (`dppo_gradient_weights`).
     """
-    return (trainer_logps.double() - sampler_logps.double()).clamp(max=LOG_RATIO_LIMIT).exp()
+    return torch.exp((trainer_logps.float() - sampler_logps.float()).clamp(max=LOG_RATIO_LIMIT))
 
 
 def _weights(ratio: torch.Tensor, advantages: torch.Tensor, sampler_logps: torch.Tensor, keep: torch.Tensor):
-    """ratio * A on kept tokens with a sampler probability, exactly 0 elsewhere (never 0 * inf), as float32."""
+    """ratio * A on kept tokens with a sampler probability, exactly 0 elsewhere (never 0 * inf)."""
     usable = keep & torch.isfinite(sampler_logps)
-    return torch.where(usable, ratio * advantages.double(), 0.0).float()
+    return torch.where(usable, ratio * advantages.float(), 0.0)
 
 
 @torch.no_grad()
@@ -62,9 +62,9 @@ def dppo_gradient_weights(
 ) -> torch.Tensor:
     """w_t = M_t * min(r_t, C) * A_t, the weight of grad log pi(y_t) in DPPO's gradient (the paper's U1).
 
-    Finite for any input: a blocked token (M_t = 0) and a token without a sampler probability (log mu = -inf or NaN)
-    weigh exactly 0 whatever the ratio, and the ratio is computed in float64 and limited to 2**64
-    (`importance_ratio`). The result is float32.
+    Finite for any finite advantage: a blocked token (M_t = 0) and a token without a sampler probability (log mu =
+    -inf or NaN) weigh exactly 0 whatever the ratio, and the ratio is limited to 2**64 (`importance_ratio`). The result
+    is float32.
 
     Args:
         trainer_logps: log pi of the sampled tokens, `(B, T)`.
@@ -113,8 +113,8 @@ def drpo_gradient_weights(
     """
     ratio = importance_ratio(trainer_logps, sampler_logps)
     base = sampler_logps if base_logps is None else base_logps
-    shift = trainer_logps.double().exp() - base.double().exp()
-    factor = 1 - torch.sign(advantages.double()) * shift / delta
+    shift = trainer_logps.float().exp() - base.float().exp()
+    factor = 1 - torch.sign(advantages.float()) * shift / delta
     return _weights(ratio * factor, advantages, sampler_logps, torch.ones_like(ratio, dtype=torch.bool))
 
 

@@ -68,7 +68,7 @@ class TrustRegionInput:
 
     @property
     def ratio(self) -> torch.Tensor:
-        """r = pi / mu of each sampled token (float64, at most 2**64: `losses.importance_ratio`)."""
+        """r = pi / mu of each sampled token (float32, at most 2**64: `losses.importance_ratio`)."""
         return importance_ratio(self.trainer_logps, self.sampler_logps)
 
 
