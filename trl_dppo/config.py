@@ -11,7 +11,14 @@ from trl import GRPOConfig
 from .trust_regions import TRUST_REGIONS, get_trust_region
 
 
-__all__ = ["DPPOConfig", "DIVERGENCES", "DEFAULT_DELTA", "EXPERIMENTAL_DPPO_RENAMES"]
+__all__ = [
+    "DPPOConfig",
+    "TrustRegionArguments",
+    "refuse_vllm_truncated_sampling",
+    "DIVERGENCES",
+    "DEFAULT_DELTA",
+    "EXPERIMENTAL_DPPO_RENAMES",
+]
 
 DIVERGENCES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl")
 # The paper's stability-test thresholds; its large runs used 0.2 for TV.
@@ -40,7 +47,129 @@ _PPO_CLIP_SETTINGS = {"epsilon_low", "epsilon_high"}
 
 
 @dataclass
-class DPPOConfig(GRPOConfig):
+class TrustRegionArguments:
+    """The trust-region fields of [`DPPOConfig`] and [`AsyncDPPOConfig`], declared and checked once for both.
+
+    A config built on it reads PPO's clip range from its own `epsilon` / `epsilon_high` (GRPOConfig's and
+    AsyncGRPOConfig's fields), calls `_resolve_trust_region()` in its `__post_init__`, and hands the trainer the chosen
+    method's settings through `trust_region_settings()`. [`DPPOConfig`]'s docstring describes the fields.
+    """
+
+    trust_region: str = field(
+        default="dppo",
+        metadata={
+            "help": "Trust region: DPPO's ('dppo', the default) or, for ablations, another method, given by its "
+            "per-token weight w of grad log pi (r = pi/mu, A the advantage, C = ratio_cap, D the divergence): "
+            + "; ".join(f"'{name}': {method.equation}" for name, method in TRUST_REGIONS.items())
+            + ". Methods registered with trl_dppo.trust_regions.register_trust_region are accepted too.",
+            "choices": TRUST_REGIONS.keys(),  # a live view: methods registered later are accepted
+        },
+    )
+    negative_mask_threshold: float = field(
+        default=0.5,
+        metadata={"help": "Drop mu - pi at which trust_region='negative_mask' blocks a token (the paper's RQ3: 0.5)."},
+    )
+    relaxed_clip_below: float = field(
+        default=0.1,
+        metadata={
+            "help": "alpha of trust_region='relaxed_clip': PPO's ratio clip (epsilon, epsilon_high), except that "
+            "tokens the sampler drew with probability mu < alpha are never clipped (epsilon -> infinity on both "
+            "sides). The paper's efficiency probe (Qi et al. 2026, section 6): alpha = 0.1 learned substantially "
+            "faster than GRPO's clip."
+        },
+    )
+    divergence: str = field(
+        default="binary_tv",
+        metadata={
+            "help": "Divergence estimate for the trust region: 'binary_tv' (default), 'binary_kl', 'topk_tv' or "
+            "'topk_kl'. Top-K also sees the head of the distribution move, at the cost of recording K log-probs per "
+            "token; the paper found binary as good in its runs.",
+            "choices": list(DIVERGENCES),
+        },
+    )
+    delta: float | None = field(
+        default=None,
+        metadata={
+            "help": "Divergence threshold delta. Defaults to 0.15 for TV and 0.05 for KL (the paper's stability "
+            "settings; 0.2 TV in its large runs). Lower it for a tighter trust region."
+        },
+    )
+    delta_low: float | None = field(
+        default=None,
+        metadata={"help": "Threshold for negative-advantage tokens (moves down). Defaults to `delta`."},
+    )
+    delta_high: float | None = field(
+        default=None,
+        metadata={"help": "Threshold for positive-advantage tokens (moves up). Defaults to `delta`."},
+    )
+    ratio_cap: float | None = field(
+        default=10.0,
+        metadata={
+            "help": "Cap C on the importance ratio pi/mu in the gradient weight M * min(pi/mu, C) * A, as in the "
+            "authors' reference code. Set None to disable."
+        },
+    )
+
+    def _resolve_trust_region(self) -> None:
+        """Fill the thresholds' defaults and refuse values the trust region cannot work with."""
+        trust_region = get_trust_region(self.trust_region)
+        if self.trust_region in ("drpo", "mask_drpo") and self.divergence != "binary_tv":
+            raise ValueError(
+                f"trust_region={self.trust_region!r} regularises toward DPPO's binary-TV boundary |pi - mu| <= delta; "
+                f"set divergence='binary_tv' (got {self.divergence!r})."
+            )
+        if not 0 < self.negative_mask_threshold <= 1:
+            raise ValueError(f"negative_mask_threshold must be in (0, 1], got {self.negative_mask_threshold}.")
+        if not 0 < self.relaxed_clip_below <= 1:
+            raise ValueError(
+                f"relaxed_clip_below must be in (0, 1] (a sampler probability alpha), got {self.relaxed_clip_below}."
+            )
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}.")
+        kind = self.divergence.split("_")[1]
+        if self.delta is None:
+            self.delta = DEFAULT_DELTA[kind]
+        self.delta_low = self.delta if self.delta_low is None else self.delta_low
+        self.delta_high = self.delta if self.delta_high is None else self.delta_high
+        for name in ("delta", "delta_low", "delta_high"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}.")
+            if kind == "tv" and value >= 1:
+                raise ValueError(
+                    f"{name}={value} never masks anything: total variation lies in [0, 1]. Use a threshold below 1 "
+                    "(the paper uses 0.15-0.2)."
+                )
+        if self.ratio_cap is not None and not self.ratio_cap >= 1:
+            raise ValueError(f"ratio_cap must be >= 1 or None (no cap), got {self.ratio_cap}.")
+        if _PPO_CLIP_SETTINGS.isdisjoint(trust_region.settings) and (
+            self.epsilon != self.__dataclass_fields__["epsilon"].default or self.epsilon_high is not None
+        ):
+            warnings.warn(
+                f"epsilon={self.epsilon}, epsilon_high={self.epsilon_high}: with trust_region={self.trust_region!r} "
+                "PPO's ratio clip only sets what the diagnostics compare DPPO's mask against (the `ppo_clipped` "
+                "metrics); it is not DPPO's threshold. trl.experimental.dppo used epsilon / epsilon_high as the "
+                "thresholds: set delta_low / delta_high (or delta) instead.",
+                UserWarning,
+                stacklevel=4,
+            )
+        self.trust_region_settings()  # a setting with neither a field nor a default fails here, not at the first step
+
+    def trust_region_settings(self) -> dict[str, Any]:
+        """The settings `trust_region`'s function declares, read from this config's fields of the same names.
+
+        `epsilon_low` / `epsilon_high` are PPO's clip range as GRPOTrainer reads it: `epsilon`, and `epsilon_high`
+        defaulting to `epsilon`. A setting with no field takes the function's default.
+        """
+        return get_trust_region(self.trust_region).settings_from(
+            self,
+            epsilon_low=self.epsilon,
+            epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
+        )
+
+
+@dataclass
+class DPPOConfig(TrustRegionArguments, GRPOConfig):
     r"""
     Configuration for [`DPPOTrainer`]: everything [`~trl.GRPOConfig`] holds, plus DPPO's trust region.
 
@@ -92,63 +221,9 @@ class DPPOConfig(GRPOConfig):
     `divergence_topk`, `clip_ratio_c`) raise an error naming the field here; `from_grpo_config` converts a GRPOConfig.
     """
 
-    trust_region: str = field(
-        default="dppo",
-        metadata={
-            "help": "Trust region: DPPO's ('dppo', the default) or, for ablations, another method, given by its "
-            "per-token weight w of grad log pi (r = pi/mu, A the advantage, C = ratio_cap, D the divergence): "
-            + "; ".join(f"'{name}': {method.equation}" for name, method in TRUST_REGIONS.items())
-            + ". Methods registered with trl_dppo.trust_regions.register_trust_region are accepted too.",
-            "choices": TRUST_REGIONS.keys(),  # a live view: methods registered later are accepted
-        },
-    )
-    negative_mask_threshold: float = field(
-        default=0.5,
-        metadata={"help": "Drop mu - pi at which trust_region='negative_mask' blocks a token (the paper's RQ3: 0.5)."},
-    )
-    relaxed_clip_below: float = field(
-        default=0.1,
-        metadata={
-            "help": "alpha of trust_region='relaxed_clip': PPO's ratio clip (epsilon, epsilon_high), except that "
-            "tokens the sampler drew with probability mu < alpha are never clipped (epsilon -> infinity on both "
-            "sides). The paper's efficiency probe (Qi et al. 2026, section 6): alpha = 0.1 learned substantially "
-            "faster than GRPO's clip."
-        },
-    )
-    divergence: str = field(
-        default="binary_tv",
-        metadata={
-            "help": "Divergence estimate for the trust region: 'binary_tv' (default), 'binary_kl', 'topk_tv' or "
-            "'topk_kl'. Top-K also sees the head of the distribution move, at the cost of recording K log-probs per "
-            "token; the paper found binary as good in its runs.",
-            "choices": list(DIVERGENCES),
-        },
-    )
-    delta: float | None = field(
-        default=None,
-        metadata={
-            "help": "Divergence threshold delta. Defaults to 0.15 for TV and 0.05 for KL (the paper's stability "
-            "settings; 0.2 TV in its large runs). Lower it for a tighter trust region."
-        },
-    )
-    delta_low: float | None = field(
-        default=None,
-        metadata={"help": "Threshold for negative-advantage tokens (moves down). Defaults to `delta`."},
-    )
-    delta_high: float | None = field(
-        default=None,
-        metadata={"help": "Threshold for positive-advantage tokens (moves up). Defaults to `delta`."},
-    )
     topk: int = field(
         default=20,
         metadata={"help": "K of the top-K divergence (the paper uses 20). Only read when `divergence` is topk_*."},
-    )
-    ratio_cap: float | None = field(
-        default=10.0,
-        metadata={
-            "help": "Cap C on the importance ratio pi/mu in the gradient weight M * min(pi/mu, C) * A, as in the "
-            "authors' reference code. Set None to disable."
-        },
     )
     vllm_allow_truncated_sampling: bool = field(
         default=False,
@@ -209,51 +284,9 @@ class DPPOConfig(GRPOConfig):
         return cls(**{**settings, **dppo_fields})
 
     def __post_init__(self):
-        trust_region = get_trust_region(self.trust_region)
-        if self.trust_region in ("drpo", "mask_drpo") and self.divergence != "binary_tv":
-            raise ValueError(
-                f"trust_region={self.trust_region!r} regularises toward DPPO's binary-TV boundary |pi - mu| <= delta; "
-                f"set divergence='binary_tv' (got {self.divergence!r})."
-            )
-        if not 0 < self.negative_mask_threshold <= 1:
-            raise ValueError(f"negative_mask_threshold must be in (0, 1], got {self.negative_mask_threshold}.")
-        if not 0 < self.relaxed_clip_below <= 1:
-            raise ValueError(
-                f"relaxed_clip_below must be in (0, 1] (a sampler probability alpha), got {self.relaxed_clip_below}."
-            )
-        if self.divergence not in DIVERGENCES:
-            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}.")
-        kind = self.divergence.split("_")[1]
-        if self.delta is None:
-            self.delta = DEFAULT_DELTA[kind]
-        self.delta_low = self.delta if self.delta_low is None else self.delta_low
-        self.delta_high = self.delta if self.delta_high is None else self.delta_high
-        for name in ("delta", "delta_low", "delta_high"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}.")
-            if kind == "tv" and value >= 1:
-                raise ValueError(
-                    f"{name}={value} never masks anything: total variation lies in [0, 1]. Use a threshold below 1 "
-                    "(the paper uses 0.15-0.2)."
-                )
+        self._resolve_trust_region()
         if self.divergence.startswith("topk") and not (isinstance(self.topk, int) and self.topk >= 1):
             raise ValueError(f"topk must be a positive integer, got {self.topk!r}.")
-        if self.ratio_cap is not None and not self.ratio_cap >= 1:
-            raise ValueError(f"ratio_cap must be >= 1 or None (no cap), got {self.ratio_cap}.")
-        if _PPO_CLIP_SETTINGS.isdisjoint(trust_region.settings) and (
-            self.epsilon != GRPOConfig.epsilon or self.epsilon_high is not None
-        ):
-            warnings.warn(
-                f"epsilon={self.epsilon}, epsilon_high={self.epsilon_high}: with trust_region={self.trust_region!r} "
-                "PPO's ratio clip only sets what the diagnostics compare DPPO's mask against (the `ppo_clipped` "
-                "metrics); it is not DPPO's threshold. trl.experimental.dppo used epsilon / epsilon_high as the "
-                "thresholds: set delta_low / delta_high (or delta) instead.",
-                UserWarning,
-                stacklevel=3,
-            )
-        self.trust_region_settings()  # a setting with neither a field nor a default fails here, not at the first step
-
         if self.vllm_importance_sampling_correction:
             raise ValueError(
                 "vllm_importance_sampling_correction=True recomputes old log-probabilities and reweights by "
@@ -283,41 +316,37 @@ class DPPOConfig(GRPOConfig):
             )
         super().__post_init__()
         if self.use_vllm and not self.vllm_allow_truncated_sampling:
-            self._refuse_vllm_truncated_sampling()
+            refuse_vllm_truncated_sampling(
+                self,
+                "Remove it, use transformers generation (use_vllm=False), which records the untruncated mu, or set "
+                "vllm_allow_truncated_sampling=True to accept the spurious divergence (logged as truncation/*).",
+            )
 
-    def trust_region_settings(self) -> dict[str, Any]:
-        """The settings `trust_region`'s function declares, read from this config's fields of the same names.
 
-        `epsilon_low` / `epsilon_high` are PPO's clip range as GRPOTrainer reads it: `epsilon`, and `epsilon_high`
-        defaulting to `epsilon`. A setting with no field takes the function's default.
-        """
-        return get_trust_region(self.trust_region).settings_from(
-            self,
-            epsilon_low=self.epsilon,
-            epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
-        )
+def refuse_vllm_truncated_sampling(config: Any, remedy: str) -> None:
+    """Refuse sampling options under which vLLM's log-probabilities are not those of softmax(logits / T).
 
-    def _refuse_vllm_truncated_sampling(self) -> None:
-        """vLLM reports mu after truncation and penalties, which the trainer's pi = softmax(logits / T) lacks."""
-        options = {
-            "top_p": self.top_p is not None and self.top_p < 1.0,
-            "top_k": self.top_k is not None and self.top_k > 0,
-            "min_p": self.min_p is not None and self.min_p > 0.0,
-            "repetition_penalty": self.repetition_penalty is not None and self.repetition_penalty != 1.0,
-            "vllm_structured_outputs_regex": self.vllm_structured_outputs_regex is not None,
-        }
-        kwargs = self.generation_kwargs or {}
-        for key, value in kwargs.items():
-            if key == "temperature":
-                options["generation_kwargs['temperature']"] = value != self.temperature
-            elif key not in VLLM_DISTRIBUTION_NEUTRAL_KWARGS:
-                options[f"generation_kwargs[{key!r}]"] = True
-        for name, changes_distribution in options.items():
-            if changes_distribution:
-                raise ValueError(
-                    f"{name} with vLLM generation changes the sampling distribution, and vLLM reports only the "
-                    "processed (truncated, renormalised) log-probabilities, so mu would be compared with a pi that "
-                    "has none of it (at top_p=0.8 truncation alone makes |mu - pi| reach 0.2 > delta). Remove it, use "
-                    "transformers generation (use_vllm=False), which records the untruncated mu, or set "
-                    "vllm_allow_truncated_sampling=True to accept the spurious divergence (logged as truncation/*)."
-                )
+    vLLM reports mu after truncation and penalties, which the trainer's pi = softmax(logits / T) lacks. `config` is a
+    DPPOConfig or an AsyncDPPOConfig; options a config does not have (AsyncGRPOConfig has no `generation_kwargs` or
+    structured outputs) are not set. `remedy` ends the error with what to do instead.
+    """
+    options = {
+        "top_p": config.top_p is not None and config.top_p < 1.0,
+        "top_k": config.top_k is not None and config.top_k > 0,
+        "min_p": config.min_p is not None and config.min_p > 0.0,
+        "repetition_penalty": config.repetition_penalty is not None and config.repetition_penalty != 1.0,
+        "vllm_structured_outputs_regex": getattr(config, "vllm_structured_outputs_regex", None) is not None,
+    }
+    kwargs = getattr(config, "generation_kwargs", None) or {}
+    for key, value in kwargs.items():
+        if key == "temperature":
+            options["generation_kwargs['temperature']"] = value != config.temperature
+        elif key not in VLLM_DISTRIBUTION_NEUTRAL_KWARGS:
+            options[f"generation_kwargs[{key!r}]"] = True
+    for name, changes_distribution in options.items():
+        if changes_distribution:
+            raise ValueError(
+                f"{name} with vLLM generation changes the sampling distribution, and vLLM reports only the "
+                "processed (truncated, renormalised) log-probabilities, so mu would be compared with a pi that "
+                "has none of it (at top_p=0.8 truncation alone makes |mu - pi| reach 0.2 > delta). " + remedy
+            )
