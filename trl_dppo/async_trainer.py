@@ -313,6 +313,8 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
         for name, (numerator, denominator) in RATES.items():
             rate(name, numerator, denominator)
         for bucket in LAG_BUCKETS:
+            if sums[lag_rate_name("tokens", bucket)] == 0:  # no sample of this lag in the batch
+                continue
             for name, (numerator, denominator) in LAG_RATES.items():
                 in_bucket = lag_rate_name(denominator, bucket) if denominator else "tokens"
                 rate(lag_rate_name(name, bucket), lag_rate_name(numerator, bucket), in_bucket)
