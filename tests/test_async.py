@@ -19,7 +19,7 @@ from peft import LoraConfig
 from trl_dppo import AsyncDPPOConfig, AsyncDPPOTrainer
 from trl_dppo.jobs.default_model import default_model_path
 
-from .conftest import length_reward, require_vllm
+from .conftest import NoWeightTransfer, length_reward, require_vllm
 from .vllm_serving import api_server_command, free_loopback_port, running_server
 
 
@@ -167,8 +167,10 @@ def test_the_trust_region_masks_more_of_the_samples_that_lag_more(server, tokeni
     # |pi - mu| grows with the lag (measured 0.007 at lag 0, then 0.10, 0.15, 0.21-0.34) ...
     assert mean["0"] < 0.02 < mean["1"] < mean["2"] < mean["3plus"], mean
     # ... and the trust region masks nothing of the fresh samples (their gap is the bf16 sampler's, below delta =
-    # 0.15 but for rare tokens) and a share of the old ones (measured 0.06 at lag 1, 0.14 at 2, 0.23-0.42 beyond)
-    assert max(masked["0"]) < 0.05 and min(masked["3plus"]) > max(masked["0"]) + 0.05, masked
+    # 0.15 but for rare tokens) and a share of the old ones (measured 0.06 at lag 1, 0.14-0.15 at 2, 0.04-0.42 beyond
+    # from step to step, 0.15-0.30 on average)
+    old = masked["2"] + masked["3plus"]
+    assert max(masked["0"]) < 0.05 and sum(old) / len(old) > max(masked["0"]) + 0.05, masked
 
 
 def test_a_server_without_processed_logprobs_is_refused_with_the_restart_command(
@@ -180,5 +182,16 @@ def test_a_server_without_processed_logprobs_is_refused_with_the_restart_command
     monkeypatch.setattr(VLLMClient, "get_server_info", lambda self: server_info)
     args = AsyncDPPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, vllm_server_base_url="http://x:1")
     with pytest.raises(ValueError, match="runs with `--logprobs-mode raw_logprobs`") as refusal:
-        AsyncDPPOTrainer(vllm_model_dir, length_reward, args, train_dataset=prompts, processing_class=tokenizer)
+        AsyncDPPOTrainer(
+            vllm_model_dir, length_reward, args, train_dataset=prompts, processing_class=tokenizer,
+            weight_transfer=NoWeightTransfer(),
+        )  # fmt: skip
     assert f"vllm serve {vllm_model_dir} --logprobs-mode processed_logprobs --enable-lora" in str(refusal.value)
+
+
+def test_full_weight_sync_over_nccl_is_refused_without_cuda(vllm_model_dir, tokenizer, prompts, tmp_path):
+    """Without a servable LoRA adapter TRL streams the weights over NCCL, which on a CPU fails at the first sync
+    inside the server ("Cannot access accelerator device when none is available"): refused at start instead."""
+    args = AsyncDPPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, vllm_server_base_url="http://x:1")
+    with pytest.raises(ValueError, match="over NCCL, which needs CUDA on both sides"):
+        AsyncDPPOTrainer(vllm_model_dir, length_reward, args, train_dataset=prompts, processing_class=tokenizer)

@@ -9,7 +9,6 @@ per-token advantages w_t and the old log-probabilities set to pi itself (ratio 1
 from __future__ import annotations
 
 import inspect
-import queue
 
 import numpy as np
 import pytest
@@ -23,28 +22,7 @@ from trl_dppo.async_trainer import POLICY_VERSION
 from trl_dppo.divergence import binary_divergence
 from trl_dppo.trust_regions import TrustRegionInput
 
-from .conftest import LORA, length_reward
-
-
-class StubRolloutWorker:
-    """TRL's `RolloutWorkerProtocol` with nothing behind it: the tests put samples in its queue themselves."""
-
-    def __init__(self):
-        self.rollout_buffer = queue.Queue()
-        self.metrics_queue = queue.Queue()
-
-    def start(self): ...
-    def stop(self): ...
-    def update_model_version(self, model_version): ...
-    def check_health(self, stale_after_s): ...
-
-
-class NoWeightTransfer:
-    def init_weight_transfer(self): ...
-    def pause(self): ...
-    def send_weights(self, iterator): ...
-    def resume(self): ...
-    def destroy(self): ...
+from .conftest import LORA, NoWeightTransfer, StubRolloutWorker, length_reward
 
 
 def stub_trainer(tmp_path, model_dir, tokenizer, prompts, samples_per_batch: int = 6, **overrides):

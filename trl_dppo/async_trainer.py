@@ -13,9 +13,9 @@ small override (`docs/overrides.md`; `tests/test_upstream_contract.py` pins what
 - `get_train_dataloader`: each batch also carries, per loss term, the policy version that sampled it, so the trust
   region's diagnostics are logged per policy lag (`staleness.py`); `_sync_weight`: every process learns the version
   of the weights it trains (TRL counts versions on the main process).
-- `__init__`: refuses a server whose log-probabilities are not those it samples from, and on a device without CUDA
-  uses an exact PyTorch version of TRL's packed tree attention (`tree_attention.py`) and no peak-FLOPs figure (TRL
-  reads it through `torch.cuda`).
+- `__init__`: refuses a server whose log-probabilities are not those it samples from; on a device without CUDA, uses
+  an exact PyTorch version of TRL's packed tree attention (`tree_attention.py`) and no peak-FLOPs figure (TRL reads it
+  through `torch.cuda`), and refuses TRL's full-weight sync (NCCL, CUDA only) with what to do instead.
 """
 
 from __future__ import annotations
@@ -186,6 +186,13 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
                 environment_factory=environment_factory,
                 rollout_worker=rollout_worker,
                 weight_transfer=weight_transfer,
+            )
+        if weight_transfer is None and not self._lora_sync and self.accelerator.device.type != "cuda":
+            raise ValueError(
+                "Without a LoRA adapter the vLLM server can serve, TRL syncs the full weights to it over NCCL, which "
+                f"needs CUDA on both sides; this trainer runs on {self.accelerator.device.type}. Train a LoRA adapter "
+                "(peft_config, against a server started with --enable-lora) so that each version is published as "
+                "adapter files, or pass a `weight_transfer` of your own."
             )
         # Registered after TRL's own registration in `super().__init__`, which it replaces
         register_tree_attention_without_cuda(TREE_ATTENTION, self.accelerator.device)
