@@ -1,4 +1,5 @@
-"""The exact PyTorch tree attention (`trl_dppo/tree_attention.py`) that stands in for TRL's CUDA kernel on a CPU.
+"""The exact PyTorch tree attention (`trl_dppo/tree_attention.py`) that stands in for TRL's CUDA kernel where it is
+not available (a CPU, or a GPU without the `kernels` package or the hub).
 
 TRL's `AsyncGRPOTrainer` packs a micro-batch into a prefix trie (`packing.TreeRow`): samples that share a prompt, or
 the start of a reply, forward those tokens once. Whatever the packing, every loss term must get the log-probability
@@ -19,7 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import repeat_kv
 from trl.experimental.async_grpo.packing import TREE_ATTENTION, TreeRow
 
-from trl_dppo.tree_attention import register_tree_attention_without_cuda
+from trl_dppo.tree_attention import register_tree_attention_without_kernel
 
 
 VOCAB = 64
@@ -134,7 +135,7 @@ def dense_log_probs(model: torch.nn.Module, samples: list[dict]) -> torch.Tensor
 
 @pytest.fixture(autouse=True)
 def attention_functions():
-    register_tree_attention_without_cuda(TREE_ATTENTION, torch.device("cpu"))
+    register_tree_attention_without_kernel(TREE_ATTENTION, torch.device("cpu"))
     AttentionInterface.register(DENSE, dense_attention)
     AttentionMaskInterface.register(DENSE, eager_mask)
 
@@ -172,9 +173,19 @@ def test_attending_across_branches_would_be_caught():
     assert (causal - dense_log_probs(model, samples)).abs().max() > 1e-2
 
 
-def test_the_cuda_kernel_stays_on_cuda_devices():
-    assert not register_tree_attention_without_cuda(TREE_ATTENTION, torch.device("cuda"))
-    assert register_tree_attention_without_cuda(TREE_ATTENTION, torch.device("cpu"))
+def test_trls_kernel_stays_where_it_loads_and_pytorch_attends_elsewhere(monkeypatch):
+    from trl.experimental.async_grpo import packing
+
+    assert register_tree_attention_without_kernel(TREE_ATTENTION, torch.device("cpu"))
+    monkeypatch.setattr(packing, "_flash_attn", lambda: object())  # the kernel loads
+    assert not register_tree_attention_without_kernel(TREE_ATTENTION, torch.device("cuda"))
+
+    def offline():
+        raise OSError("the hub is unreachable")
+
+    monkeypatch.setattr(packing, "_flash_attn", offline)
+    with pytest.warns(UserWarning, match="could not be loaded \\(OSError: the hub is unreachable\\)"):
+        assert register_tree_attention_without_kernel(TREE_ATTENTION, torch.device("cuda"))
 
 
 def test_the_gradient_reaches_every_position_once():

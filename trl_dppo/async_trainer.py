@@ -13,9 +13,10 @@ small override (`docs/overrides.md`; `tests/test_upstream_contract.py` pins what
 - `get_train_dataloader`: each batch also carries, per loss term, the policy version that sampled it, so the trust
   region's diagnostics are logged per policy lag (`staleness.py`); `_sync_weight`: every process learns the version
   of the weights it trains (TRL counts versions on the main process).
-- `__init__`: refuses a server whose log-probabilities are not those it samples from; on a device without CUDA, uses
-  an exact PyTorch version of TRL's packed tree attention (`tree_attention.py`) and no peak-FLOPs figure (TRL reads it
-  through `torch.cuda`), and refuses TRL's full-weight sync (NCCL, CUDA only) with what to do instead.
+- `__init__`: refuses a server whose log-probabilities are not those it samples from; where TRL's FlashAttention-3
+  kernel is not available (no CUDA, or not loadable), uses an exact PyTorch version of TRL's packed tree attention
+  (`tree_attention.py`); on a device without CUDA reads no peak-FLOPs figure (TRL reads it through `torch.cuda`) and
+  refuses TRL's full-weight sync (NCCL, CUDA only) with what to do instead.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from .divergence import binary_divergence, trust_region_mask
 from .losses import loss_from_weights
 from .staleness import LAG_BUCKETS, LAG_RATES, RATES, lag_rate_name, sums_by_lag, trust_region_sums
 from .trainer import DPPOTrainer
-from .tree_attention import register_tree_attention_without_cuda
+from .tree_attention import register_tree_attention_without_kernel
 from .trust_regions import TrustRegion, TrustRegionInput, get_trust_region
 from .vllm_server import refuse_unprocessed_logprobs
 
@@ -195,7 +196,7 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
                 "adapter files, or pass a `weight_transfer` of your own."
             )
         # Registered after TRL's own registration in `super().__init__`, which it replaces
-        register_tree_attention_without_cuda(TREE_ATTENTION, self.accelerator.device)
+        register_tree_attention_without_kernel(TREE_ATTENTION, self.accelerator.device)
         if rollout_worker is None:  # TRL's worker samples from the server; TRL does not check its log-probabilities
             if self.accelerator.is_main_process:
                 self.vllm_client.wait_for_server_ready()

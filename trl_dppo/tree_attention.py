@@ -1,23 +1,25 @@
-"""TRL's packed "tree" attention on devices without its CUDA kernel: an exact pure-PyTorch implementation.
+"""TRL's packed "tree" attention where its CUDA kernel is not available: an exact pure-PyTorch implementation.
 
 TRL's `AsyncGRPOTrainer` packs the samples of a micro-batch into one prefix trie per row (`packing.TreeRow`): a token
 several samples share is forwarded once, and each trie segment attends to the keys and values of its root-to-segment
 path. TRL computes that with FlashAttention-3's variable-length kernel, fetched from the hub on first use
-(`packing._flash_attn`), which exists for CUDA (and ROCm) only. `tree_attention` computes the same thing segment by
-segment with the softmax of eager attention: for every segment, its queries against the keys gathered at its path,
-causal with the two aligned at their ends (a segment's queries are the last tokens of its path), with the kernel's
-options (grouped-query heads, `scaling`, `sliding_window`, `softcap`). It runs in the inputs' dtype, where the kernel
-casts float32 to half precision first: in float32 or float64 it is exact to that precision
-(`tests/test_tree_attention.py` checks it against dense causal attention on each sample alone).
+(`packing._flash_attn`): CUDA (and ROCm) only, with the `kernels` package and the hub reachable. `tree_attention`
+computes the same thing segment by segment with the softmax of eager attention: for every segment, its queries
+against the keys gathered at its path, causal with the two aligned at their ends (a segment's queries are the last
+tokens of its path), with the kernel's options (grouped-query heads, `scaling`, `sliding_window`, `softcap`). It runs
+in the inputs' dtype, where the kernel casts float32 to half precision first: in float32 or float64 it is exact to
+that precision (`tests/test_tree_attention.py` checks it against dense causal attention on each sample alone).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from transformers import AttentionInterface
 
 
-__all__ = ["register_tree_attention_without_cuda", "tree_attention"]
+__all__ = ["register_tree_attention_without_kernel", "tree_attention"]
 
 
 def tree_attention(
@@ -70,13 +72,26 @@ def tree_attention(
     return output.unsqueeze(0), None
 
 
-def register_tree_attention_without_cuda(name: str, device: torch.device) -> bool:
-    """Register `tree_attention` under TRL's attention name `name` when `device` cannot run TRL's CUDA kernel.
+def register_tree_attention_without_kernel(name: str, device: torch.device) -> bool:
+    """Register `tree_attention` under TRL's attention name `name` unless TRL's kernel runs on `device`.
 
-    Registration is global (transformers' `AttentionInterface`), as TRL's own is; each layer looks its attention
-    function up at every forward. Returns whether it registered.
+    Without CUDA there is no kernel; on CUDA, TRL's `packing._flash_attn` fetches it from the hub (package `kernels`),
+    and where that fails (offline, no `kernels`) this warns with the reason and registers the PyTorch version, exact
+    but slower. Registration is global (transformers' `AttentionInterface`), as TRL's own is; each layer looks its
+    attention function up at every forward. Returns whether it registered.
     """
     if device.type == "cuda":
-        return False
+        from trl.experimental.async_grpo import packing
+
+        try:
+            packing._flash_attn()
+            return False
+        except Exception as error:  # noqa: BLE001  (whatever stops the kernel, the attention still has to run)
+            warnings.warn(
+                f"TRL's FlashAttention-3 kernel for packed attention could not be loaded ({type(error).__name__}: "
+                f"{error}); the packed rows are attended in PyTorch instead (trl_dppo.tree_attention), exact but "
+                "slower. `pip install kernels` with the hub reachable gives TRL's kernel.",
+                stacklevel=2,
+            )
     AttentionInterface.register(name, tree_attention)
     return True
