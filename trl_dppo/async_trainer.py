@@ -227,10 +227,8 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         terms = inputs["token_index"] >= 0  # this process's loss terms; TRL pads the batch's rows with -1
-        sampler_logps = inputs["old_log_probs"][terms]
-        missing = ~torch.isfinite(sampler_logps) | (sampler_logps <= VLLM_LOGPROB_FLOOR)
-        # TRL's PPO term with zero advantages: no gradient, its metrics (ratio, kl, entropy) against finite mu
         no_mu = ~torch.isfinite(inputs["old_log_probs"]) | (inputs["old_log_probs"] <= VLLM_LOGPROB_FLOOR)
+        # TRL's PPO term with zero advantages: no gradient, its metrics (ratio, kl, entropy) against finite mu
         ppo_inputs = {
             **inputs,
             "advantages": torch.zeros_like(inputs["advantages"]),
@@ -244,6 +242,7 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
             hook.remove()
         (log_probs,) = forward  # over the packed positions; each loss term reads its position
         trainer_logps = log_probs.flatten()[inputs["token_index"][terms]]
+        sampler_logps, missing = inputs["old_log_probs"][terms], no_mu[terms]
         lag = self._policy_version - inputs[POLICY_VERSION][terms]
         advantages = inputs["advantages"][terms]
         global_n_tokens = inputs["global_n_tokens"][0]
