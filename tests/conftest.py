@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import queue
 from pathlib import Path
 
 
@@ -221,6 +222,29 @@ class PolicyForwardCounter:
         adapters_on = self.peft_model is None or not self.peft_model._adapters_disabled
         if kwargs.get("fused_lm_head") and not torch.is_grad_enabled() and adapters_on:
             self.count += 1
+
+
+class StubRolloutWorker:
+    """TRL's `RolloutWorkerProtocol` with nothing behind it: the tests put samples in its queue themselves."""
+
+    def __init__(self):
+        self.rollout_buffer = queue.Queue()
+        self.metrics_queue = queue.Queue()
+
+    def start(self): ...
+    def stop(self): ...
+    def update_model_version(self, model_version): ...
+    def check_health(self, stale_after_s): ...
+
+
+class NoWeightTransfer:
+    """TRL's `WeightTransferProtocol` doing nothing, for tests that never sync weights to a server."""
+
+    def init_weight_transfer(self): ...
+    def pause(self): ...
+    def send_weights(self, iterator): ...
+    def resume(self): ...
+    def destroy(self): ...
 
 
 def require_vllm() -> None:

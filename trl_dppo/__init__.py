@@ -5,6 +5,8 @@ from typing import TYPE_CHECKING
 
 
 if TYPE_CHECKING:
+    from .async_config import AsyncDPPOConfig
+    from .async_trainer import AsyncDPPOTrainer
     from .config import DPPOConfig
     from .divergence import binary_divergence, topk_divergence, trust_region_mask
     from .losses import dppo_gradient_weights, dppo_per_token_loss, loss_from_weights
@@ -14,6 +16,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncDPPOConfig",
+    "AsyncDPPOTrainer",
     "DPPOConfig",
     "DPPOTrainer",
     "binary_divergence",
@@ -27,6 +31,8 @@ __all__ = [
 # Where each public name lives. They are imported on first access, so that importing the package (for `__version__`,
 # or `trl_dppo.jobs.plots` to draw a run's log) loads neither torch nor TRL.
 _MODULES = {
+    "AsyncDPPOConfig": ".async_config",
+    "AsyncDPPOTrainer": ".async_trainer",
     "DPPOConfig": ".config",
     "DPPOTrainer": ".trainer",
     "binary_divergence": ".divergence",

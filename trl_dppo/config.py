@@ -1,4 +1,8 @@
-"""`DPPOConfig`: GRPOConfig plus the divergence trust region, with GRPO options that contradict DPPO switched off."""
+"""`DPPOConfig`: GRPOConfig plus the divergence trust region, with GRPO options that contradict DPPO switched off.
+
+The trust-region fields are declared and checked once, in `TrustRegionArguments`, which `DPPOConfig` and the
+asynchronous trainer's `AsyncDPPOConfig` (`async_config.py`) both build on.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,14 @@ from trl import GRPOConfig
 from .trust_regions import SHARED_SETTINGS, TRUST_REGIONS, get_trust_region
 
 
-__all__ = ["DPPOConfig", "DIVERGENCES", "DEFAULT_DELTA", "REMOVED_NAMES"]
+__all__ = [
+    "DEFAULT_DELTA",
+    "DIVERGENCES",
+    "DPPOConfig",
+    "REMOVED_NAMES",
+    "TrustRegionArguments",
+    "refuse_vllm_truncated_sampling",
+]
 
 DIVERGENCES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl")
 # The paper's stability-test thresholds; its large runs used 0.2 for TV.
@@ -53,7 +64,124 @@ def _settings_help(name: str) -> str:
 
 
 @dataclass
-class DPPOConfig(GRPOConfig):
+class TrustRegionArguments:
+    """The trust-region fields of [`DPPOConfig`] and [`AsyncDPPOConfig`], declared and checked once for both.
+
+    A config built on it also builds on a TRL config that has PPO's clip range `epsilon` / `epsilon_high`
+    (GRPOConfig, AsyncGRPOConfig), lists `trust_region_kwargs` in its `_VALID_DICT_FIELDS`, calls
+    `_resolve_trust_region()` first in its `__post_init__` and checks `trust_region_settings` after TRL's own
+    `__post_init__` (which parses `trust_region_kwargs` given as a JSON string). [`DPPOConfig`]'s docstring describes
+    the fields.
+    """
+
+    divergence: str = field(
+        default="binary_tv",
+        metadata={
+            "help": "Divergence estimate for the trust region: 'binary_tv' (default), 'binary_kl', 'topk_tv' or "
+            "'topk_kl'. Top-K also sees the head of the distribution move, at the cost of recording K log-probs per "
+            "token; the paper found binary as good in its runs.",
+            "choices": list(DIVERGENCES),
+        },
+    )
+    divergence_delta: float | None = field(
+        default=None,
+        metadata={
+            "help": "Divergence threshold delta. Defaults to 0.15 for TV and 0.05 for KL (the paper's stability "
+            "settings; 0.2 TV in its large runs). Lower it for a tighter trust region."
+        },
+    )
+    delta_low: float | None = field(
+        default=None,
+        metadata={"help": "Threshold for negative-advantage tokens (moves down). Defaults to `divergence_delta`."},
+    )
+    delta_high: float | None = field(
+        default=None,
+        metadata={"help": "Threshold for positive-advantage tokens (moves up). Defaults to `divergence_delta`."},
+    )
+    trust_region: str = field(
+        default="dppo",
+        metadata={
+            "help": "Trust region: DPPO's ('dppo', the default) or, for ablations, another method, given by its "
+            "per-token weight w of grad log pi (r = pi/mu, A the advantage, C a ratio cap, D the divergence) and "
+            "[its own settings with their defaults]: "
+            + "; ".join(_settings_help(name) for name in TRUST_REGIONS)
+            + ". Your own method: 'module.path:name', where importing module.path registers `name` with "
+            "trl_dppo.trust_regions.register_trust_region.",
+        },
+    )
+    trust_region_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "The trust region's own settings (see `trust_region`), as a dict or a JSON string, e.g. "
+            "'{\"ratio_cap\": 10}'. Unset settings take the method's defaults, which follow the paper: no ratio "
+            "cap for dppo (C = infinity, its section 5 warns against truncating the ratio), C = 3 for cispo."
+        },
+    )
+
+    def __new__(cls, *args, **kwargs):
+        # The dataclass __init__ would fail on an old name with a bare "unexpected keyword" TypeError
+        removed = [f"`{old}` is now `{REMOVED_NAMES[old]}`" for old in kwargs if old in REMOVED_NAMES]
+        if removed:
+            raise TypeError(
+                f"{cls.__name__} got names it no longer takes: {'; '.join(removed)}. See docs/migration.md."
+            )
+        return super().__new__(cls)
+
+    @property
+    def divergence_kind(self) -> str:
+        """`"tv"` or `"kl"`: what `divergence` measures."""
+        return self.divergence.split("_")[1]
+
+    @property
+    def trust_region_settings(self) -> dict[str, Any]:
+        """The settings `trust_region`'s function is called with: `trust_region_kwargs`, then DPPOConfig's shared
+        thresholds (`delta_low` / `delta_high`, and PPO's clip range as GRPOTrainer reads it: `epsilon`, and
+        `epsilon_high` defaulting to `epsilon`), then the function's defaults."""
+        shared = dict(
+            delta_low=self.delta_low,
+            delta_high=self.delta_high,
+            epsilon_low=self.epsilon,
+            epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
+        )
+        return get_trust_region(self.trust_region).resolve_settings(self.trust_region_kwargs, shared)
+
+    def _resolve_trust_region(self) -> None:
+        """Fill the thresholds' defaults and refuse values the trust region cannot work with."""
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}.")
+        trust_region = get_trust_region(self.trust_region)
+        trust_region.check_divergence(self.divergence)
+        kind = self.divergence_kind
+        if self.divergence_delta is None:
+            self.divergence_delta = DEFAULT_DELTA[kind]
+        if self.delta_low is None:
+            self.delta_low = self.divergence_delta
+        if self.delta_high is None:
+            self.delta_high = self.divergence_delta
+        for name in ("divergence_delta", "delta_low", "delta_high"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}.")
+            if kind == "tv" and value >= 1:
+                raise ValueError(
+                    f"{name}={value} never masks anything: total variation lies in [0, 1]. Use a threshold below 1 "
+                    "(the paper uses 0.15-0.2)."
+                )
+        if {"epsilon_low", "epsilon_high"}.isdisjoint(trust_region.settings) and (
+            self.epsilon != self.__dataclass_fields__["epsilon"].default or self.epsilon_high is not None
+        ):
+            warnings.warn(
+                f"epsilon={self.epsilon}, epsilon_high={self.epsilon_high}: with trust_region={self.trust_region!r} "
+                "PPO's ratio clip only sets what the diagnostics compare DPPO's mask against (the `ppo_clipped` "
+                "metrics); it is not DPPO's threshold. trl.experimental.dppo used epsilon / epsilon_high as the "
+                "thresholds: set delta_low / delta_high (or divergence_delta) instead.",
+                UserWarning,
+                stacklevel=4,
+            )
+
+
+@dataclass
+class DPPOConfig(TrustRegionArguments, GRPOConfig):
     r"""
     Configuration for [`DPPOTrainer`]: everything [`~trl.GRPOConfig`] holds, plus DPPO's trust region.
 
@@ -113,54 +241,11 @@ class DPPOConfig(GRPOConfig):
 
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["trust_region_kwargs"]
 
-    divergence: str = field(
-        default="binary_tv",
-        metadata={
-            "help": "Divergence estimate for the trust region: 'binary_tv' (default), 'binary_kl', 'topk_tv' or "
-            "'topk_kl'. Top-K also sees the head of the distribution move, at the cost of recording K log-probs per "
-            "token; the paper found binary as good in its runs.",
-            "choices": list(DIVERGENCES),
-        },
-    )
-    divergence_delta: float | None = field(
-        default=None,
-        metadata={
-            "help": "Divergence threshold delta. Defaults to 0.15 for TV and 0.05 for KL (the paper's stability "
-            "settings; 0.2 TV in its large runs). Lower it for a tighter trust region."
-        },
-    )
-    delta_low: float | None = field(
-        default=None,
-        metadata={"help": "Threshold for negative-advantage tokens (moves down). Defaults to `divergence_delta`."},
-    )
-    delta_high: float | None = field(
-        default=None,
-        metadata={"help": "Threshold for positive-advantage tokens (moves up). Defaults to `divergence_delta`."},
-    )
     divergence_topk: int = field(
         default=20,
         metadata={
             "help": "K of the top-K divergence (the paper uses 20). Only read when `divergence` is topk_*. Not "
             "`top_k`, which truncates sampling."
-        },
-    )
-    trust_region: str = field(
-        default="dppo",
-        metadata={
-            "help": "Trust region: DPPO's ('dppo', the default) or, for ablations, another method, given by its "
-            "per-token weight w of grad log pi (r = pi/mu, A the advantage, C a ratio cap, D the divergence) and "
-            "[its own settings with their defaults]: "
-            + "; ".join(_settings_help(name) for name in TRUST_REGIONS)
-            + ". Your own method: 'module.path:name', where importing module.path registers `name` with "
-            "trl_dppo.trust_regions.register_trust_region.",
-        },
-    )
-    trust_region_kwargs: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "The trust region's own settings (see `trust_region`), as a dict or a JSON string, e.g. "
-            "'{\"ratio_cap\": 10}'. Unset settings take the method's defaults, which follow the paper: no ratio "
-            "cap for dppo (C = infinity, its section 5 warns against truncating the ratio), C = 3 for cispo."
         },
     )
     vllm_allow_truncated_sampling: bool = field(
@@ -188,13 +273,6 @@ class DPPOConfig(GRPOConfig):
         },
     )
 
-    def __new__(cls, *args, **kwargs):
-        # The dataclass __init__ would fail on an old name with a bare "unexpected keyword" TypeError
-        removed = [f"`{old}` is now `{REMOVED_NAMES[old]}`" for old in kwargs if old in REMOVED_NAMES]
-        if removed:
-            raise TypeError(f"DPPOConfig got names it no longer takes: {'; '.join(removed)}. See docs/migration.md.")
-        return super().__new__(cls)
-
     @classmethod
     def from_grpo_config(cls, config: GRPOConfig, **dppo_fields: Any) -> DPPOConfig:
         """Build a DPPOConfig from a [`~trl.GRPOConfig`], with `dppo_fields` (e.g. `divergence`, `divergence_delta`)
@@ -213,71 +291,22 @@ class DPPOConfig(GRPOConfig):
         return cls(**{**settings, **dppo_fields})
 
     @property
-    def divergence_kind(self) -> str:
-        """`"tv"` or `"kl"`: what `divergence` measures."""
-        return self.divergence.split("_")[1]
-
-    @property
     def recorded_topk(self) -> int:
         """How many of the sampler's most likely tokens are recorded per token: K for a top-K divergence, else 0."""
         return self.divergence_topk if self.divergence.startswith("topk") else 0
 
-    @property
-    def trust_region_settings(self) -> dict[str, Any]:
-        """The settings `trust_region`'s function is called with: `trust_region_kwargs`, then DPPOConfig's shared
-        thresholds (`delta_low` / `delta_high`, and PPO's clip range as GRPOTrainer reads it: `epsilon`, and
-        `epsilon_high` defaulting to `epsilon`), then the function's defaults."""
-        shared = dict(
-            delta_low=self.delta_low,
-            delta_high=self.delta_high,
-            epsilon_low=self.epsilon,
-            epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
-        )
-        return get_trust_region(self.trust_region).resolve_settings(self.trust_region_kwargs, shared)
-
     def __post_init__(self):
-        if self.divergence not in DIVERGENCES:
-            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}.")
+        self._resolve_trust_region()
         if self.delta is not None:
             raise ValueError(
                 f"delta={self.delta} is GRPOConfig's two-sided ratio clip, which DPPO does not use. DPPO's divergence "
                 "threshold is `divergence_delta` (named `delta` in trl-dppo 0.1): set divergence_delta (or "
                 "delta_low / delta_high) and leave delta unset."
             )
-        trust_region = get_trust_region(self.trust_region)
-        trust_region.check_divergence(self.divergence)
-        kind = self.divergence_kind
-        if self.divergence_delta is None:
-            self.divergence_delta = DEFAULT_DELTA[kind]
-        if self.delta_low is None:
-            self.delta_low = self.divergence_delta
-        if self.delta_high is None:
-            self.delta_high = self.divergence_delta
-        for name in ("divergence_delta", "delta_low", "delta_high"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}.")
-            if kind == "tv" and value >= 1:
-                raise ValueError(
-                    f"{name}={value} never masks anything: total variation lies in [0, 1]. Use a threshold below 1 "
-                    "(the paper uses 0.15-0.2)."
-                )
         if self.divergence.startswith("topk") and not (
             isinstance(self.divergence_topk, int) and self.divergence_topk >= 1
         ):
             raise ValueError(f"divergence_topk must be a positive integer, got {self.divergence_topk!r}.")
-        if {"epsilon_low", "epsilon_high"}.isdisjoint(trust_region.settings) and (
-            self.epsilon != GRPOConfig.epsilon or self.epsilon_high is not None
-        ):
-            warnings.warn(
-                f"epsilon={self.epsilon}, epsilon_high={self.epsilon_high}: with trust_region={self.trust_region!r} "
-                "PPO's ratio clip only sets what the diagnostics compare DPPO's mask against (the `ppo_clipped` "
-                "metrics); it is not DPPO's threshold. trl.experimental.dppo used epsilon / epsilon_high as the "
-                "thresholds: set delta_low / delta_high (or divergence_delta) instead.",
-                UserWarning,
-                stacklevel=3,
-            )
-
         if self.vllm_importance_sampling_correction:
             raise ValueError(
                 "vllm_importance_sampling_correction=True recomputes old log-probabilities and reweights by "
@@ -312,29 +341,37 @@ class DPPOConfig(GRPOConfig):
         super().__post_init__()  # parses `trust_region_kwargs` given as a JSON string
         self.trust_region_settings  # a bad or missing setting fails here, not at the first step  # noqa: B018
         if self.use_vllm and not self.vllm_allow_truncated_sampling:
-            self._refuse_vllm_truncated_sampling()
+            refuse_vllm_truncated_sampling(
+                self,
+                "Remove it, use transformers generation (use_vllm=False), which records the untruncated mu, or set "
+                "vllm_allow_truncated_sampling=True to accept the spurious divergence (logged as truncation/*).",
+            )
 
-    def _refuse_vllm_truncated_sampling(self) -> None:
-        """vLLM reports mu after truncation and penalties, which the trainer's pi = softmax(logits / T) lacks."""
-        options = {
-            "top_p": self.top_p is not None and self.top_p < 1.0,
-            "top_k": self.top_k is not None and self.top_k > 0,
-            "min_p": self.min_p is not None and self.min_p > 0.0,
-            "repetition_penalty": self.repetition_penalty is not None and self.repetition_penalty != 1.0,
-            "vllm_structured_outputs_regex": self.vllm_structured_outputs_regex is not None,
-        }
-        kwargs = self.generation_kwargs or {}
-        for key, value in kwargs.items():
-            if key == "temperature":
-                options["generation_kwargs['temperature']"] = value != self.temperature
-            elif key not in VLLM_DISTRIBUTION_NEUTRAL_KWARGS:
-                options[f"generation_kwargs[{key!r}]"] = True
-        for name, changes_distribution in options.items():
-            if changes_distribution:
-                raise ValueError(
-                    f"{name} with vLLM generation changes the sampling distribution, and vLLM reports only the "
-                    "processed (truncated, renormalised) log-probabilities, so mu would be compared with a pi that "
-                    "has none of it (at top_p=0.8 truncation alone makes |mu - pi| reach 0.2 > delta). Remove it, use "
-                    "transformers generation (use_vllm=False), which records the untruncated mu, or set "
-                    "vllm_allow_truncated_sampling=True to accept the spurious divergence (logged as truncation/*)."
-                )
+
+def refuse_vllm_truncated_sampling(config: Any, remedy: str) -> None:
+    """Refuse sampling options under which vLLM's log-probabilities are not those of softmax(logits / T).
+
+    vLLM reports mu after truncation and penalties, which the trainer's pi = softmax(logits / T) lacks. `config` is a
+    DPPOConfig or an AsyncDPPOConfig; options a config does not have (AsyncGRPOConfig has no `generation_kwargs` or
+    structured outputs) are not set. `remedy` ends the error with what to do instead.
+    """
+    options = {
+        "top_p": config.top_p is not None and config.top_p < 1.0,
+        "top_k": config.top_k is not None and config.top_k > 0,
+        "min_p": config.min_p is not None and config.min_p > 0.0,
+        "repetition_penalty": config.repetition_penalty is not None and config.repetition_penalty != 1.0,
+        "vllm_structured_outputs_regex": getattr(config, "vllm_structured_outputs_regex", None) is not None,
+    }
+    kwargs = getattr(config, "generation_kwargs", None) or {}
+    for key, value in kwargs.items():
+        if key == "temperature":
+            options["generation_kwargs['temperature']"] = value != config.temperature
+        elif key not in VLLM_DISTRIBUTION_NEUTRAL_KWARGS:
+            options[f"generation_kwargs[{key!r}]"] = True
+    for name, changes_distribution in options.items():
+        if changes_distribution:
+            raise ValueError(
+                f"{name} with vLLM generation changes the sampling distribution, and vLLM reports only the "
+                "processed (truncated, renormalised) log-probabilities, so mu would be compared with a pi that "
+                "has none of it (at top_p=0.8 truncation alone makes |mu - pi| reach 0.2 > delta). " + remedy
+            )

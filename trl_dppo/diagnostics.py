@@ -31,7 +31,15 @@ from transformers import TrainerCallback
 from .losses import LOG_RATIO_LIMIT, ratio_clip_keep
 
 
-__all__ = ["MU_BUCKETS", "MU_BUCKET_EDGES", "TrustRegionDiagnostics", "trust_region_sums"]
+__all__ = [
+    "MU_BUCKETS",
+    "MU_BUCKET_EDGES",
+    "RATES",
+    "TrustRegionDiagnostics",
+    "gather_sums",
+    "metrics_from_sums",
+    "trust_region_sums",
+]
 
 # In each checkpoint: the masked-token counts summed over processes, restored on resume
 MASKED_TOKEN_COUNTS_NAME = "dppo_masked_token_counts.json"
@@ -40,6 +48,17 @@ MU_BUCKET_EDGES = (1e-3, 1e-2, 1e-1, 0.5, 0.9)
 MU_BUCKETS = ("<0.001", "0.001-0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9", ">=0.9")
 # The paper's RQ3 "bad update": a negative-advantage token whose probability dropped by this much
 BAD_UPDATE_DROP = 0.5
+# Logged rate -> (numerator, denominator) among `trust_region_sums`' keys
+RATES = {
+    "trust_region/masked_fraction": ("masked", "tokens"),
+    "trust_region/masked_fraction_pos_adv": ("masked_pos_adv", "pos_adv"),
+    "trust_region/masked_fraction_neg_adv": ("masked_neg_adv", "neg_adv"),
+    "mismatch/abs_prob_diff_mean": ("abs_prob_diff", "tokens"),
+    "mismatch/kl_mean": ("kl", "tokens"),
+    "diagnostics/bad_update_fraction": ("bad", "tokens"),
+    "diagnostics/bad_updates_blocked_by_ppo_clip": ("bad_ppo_clipped", "bad"),
+    "diagnostics/bad_updates_blocked_by_dppo_mask": ("bad_dppo_masked", "bad"),
+}
 
 
 @torch.no_grad()
@@ -59,8 +78,8 @@ def trust_region_sums(
 
     `keep` is the trust region's mask, `dppo_keep` DPPO's own (the diagnostics compare it with PPO's clip whatever the
     method); `sampler_logps` log mu (for the ratio), `base_logps` log mu_base (for the mismatch and the bad updates),
-    `trainer_logps` log pi. Fractions are ratios of two sums (`masked` / `tokens`, ...), so that sums over processes or
-    over steps give the exact fraction; `abs_prob_diff_max` is a max, not a sum.
+    `trainer_logps` log pi. Rates are ratios of two sums (`RATES`), so that sums over processes, steps or any subset
+    of tokens give the exact rate.
     """
     advantages = advantages.expand_as(mask)
     masked = ~keep & mask
@@ -82,7 +101,6 @@ def trust_region_sums(
         "neg_adv": neg.sum(),
         "ratio_limited": limited.sum(),
         "abs_prob_diff": torch.where(mask, prob_diff, 0.0).sum(),
-        "abs_prob_diff_max": prob_diff[mask].max() if mask.any() else prob_diff.new_zeros(()),
         "kl": torch.where(mask, kl, 0.0).sum(),
         "bad": bad.sum(),
         "bad_ppo_clipped": (bad & ppo_clipped).sum(),
@@ -99,40 +117,24 @@ def trust_region_sums(
     return sums
 
 
-def metrics_from_sums(sums: dict[str, float], prefix: str = "") -> dict[str, float]:
-    """The logged metrics of `trust_region_sums` gathered over processes; `prefix` goes after each metric's group
-    (e.g. `"lag_1/"` gives `trust_region/lag_1/masked_fraction`)."""
-
-    def fraction(num: str, den: str) -> float:
-        return sums[num] / max(sums[den], 1.0)
-
-    metrics = {
-        f"trust_region/{prefix}masked_fraction": fraction("masked", "tokens"),
-        f"trust_region/{prefix}masked_fraction_pos_adv": fraction("masked_pos_adv", "pos_adv"),
-        f"trust_region/{prefix}masked_fraction_neg_adv": fraction("masked_neg_adv", "neg_adv"),
-        f"trust_region/{prefix}ratio_limited_tokens": sums["ratio_limited"],
-        f"mismatch/{prefix}abs_prob_diff_mean": fraction("abs_prob_diff", "tokens"),
-        f"mismatch/{prefix}abs_prob_diff_max": sums["abs_prob_diff_max"],
-        f"mismatch/{prefix}kl_mean": fraction("kl", "tokens"),
-        f"diagnostics/{prefix}bad_update_fraction": fraction("bad", "tokens"),
-        f"diagnostics/{prefix}bad_updates_blocked_by_ppo_clip": fraction("bad_ppo_clipped", "bad"),
-        f"diagnostics/{prefix}bad_updates_blocked_by_dppo_mask": fraction("bad_dppo_masked", "bad"),
-    }
+def metrics_from_sums(sums: dict[str, float]) -> dict[str, float]:
+    """The logged metrics of `trust_region_sums` added up over processes: the rates of `RATES` (0 over no token), the
+    count of ratio-limited tokens and the `tokens_by_mu/*` counts."""
+    metrics = {name: sums[num] / max(sums[den], 1.0) for name, (num, den) in RATES.items()}
+    metrics["trust_region/ratio_limited_tokens"] = sums["ratio_limited"]
     metrics.update({name: value for name, value in sums.items() if name.startswith("tokens_by_mu/")})
     return metrics
 
 
 def gather_sums(accelerator, sums: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Each sum added over processes (and `*_max` maxed), in two collectives."""
-    maxima = [name for name in sums if name.endswith("_max")]
-    totals = [name for name in sums if name not in maxima]
-    out = dict(
-        zip(totals, accelerator.reduce(torch.stack([sums[n] for n in totals]).double(), "sum").tolist(), strict=True)
-    )
-    if maxima:
-        gathered = accelerator.gather(torch.stack([sums[n] for n in maxima]).double()[None])
-        out.update(zip(maxima, gathered.amax(0).tolist(), strict=True))
-    return out
+    """Each sum added over processes, in one collective."""
+    stacked = torch.stack([value.double() for value in sums.values()])
+    return dict(zip(sums, accelerator.reduce(stacked, reduction="sum").tolist(), strict=True))
+
+
+def gather_max(accelerator, value: torch.Tensor) -> float:
+    """The largest of each process's `value` (a 0-d tensor)."""
+    return accelerator.gather(value.double().reshape(1)).max().item()
 
 
 class TrustRegionDiagnostics:
@@ -180,9 +182,12 @@ class TrustRegionDiagnostics:
         )
         sums["missing_sampler_logps"] = missing_sampler_logps
         gathered = gather_sums(self.trainer.accelerator, sums)
+        prob_diff = (trainer_logps.double().exp() - base_logps.double().exp()).abs()
+        local_max = prob_diff[mask].max() if mask.any() else prob_diff.new_zeros(())
         metrics = self.trainer._metrics[mode]
         for name, value in metrics_from_sums(gathered).items():
             metrics[name].append(value)
+        metrics["mismatch/abs_prob_diff_max"].append(gather_max(self.trainer.accelerator, local_max))
         metrics["mismatch/missing_sampler_logps"].append(gathered["missing_sampler_logps"])
         if mode == "train" and at_sync:
             for name in ("abs_prob_diff_mean", "abs_prob_diff_max", "kl_mean"):

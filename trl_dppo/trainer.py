@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import trl
-from accelerate.utils import broadcast_object_list, is_peft_model
+from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
@@ -63,6 +63,7 @@ from .rollout import (
 )
 from .topk import check_topk_sharding, check_topk_support, lm_head_kept_logps
 from .trust_regions import TrustRegionInput, get_trust_region
+from .vllm_server import refuse_unprocessed_logprobs
 
 
 if TYPE_CHECKING:
@@ -72,6 +73,13 @@ if TYPE_CHECKING:
     from trl.trainer.grpo_trainer import EnvironmentFactory, RewardFunc, RolloutFunc
 
 __all__ = ["DPPOTrainer"]
+
+# The server `trl vllm-serve` starts, for the error that refuses a server with other log-probabilities
+SERVER_RESTART_EXAMPLE = (
+    "    VLLM_SERVER_DEV_MODE=1 vllm serve {model} --logprobs-mode processed_logprobs --max-logprobs -1 "
+    """--weight-transfer-config '{{"backend": "nccl"}}'\n\n"""
+    "(`trl vllm-serve --model {model}` starts the same server with these flags)."
+)
 
 
 @dataclass(frozen=True)
@@ -185,8 +193,10 @@ class DPPOTrainer(GRPOTrainer):
     def _wrap_vllm_backend(self) -> None:
         """Record mu (and the top-K) from vLLM's output, and sync weights in place on vLLM's CPU backend."""
         backend = self.vllm_generation
-        if backend.mode == "server":
-            self._check_server_logprobs_mode(backend)
+        if backend.mode == "server":  # TRL checks the mode only with `vllm_importance_sampling_correction`
+            refuse_unprocessed_logprobs(
+                self.accelerator, backend.vllm_client, backend.vllm_client.base_url, SERVER_RESTART_EXAMPLE
+            )
         topk = self.args.recorded_topk
         topk_in_lists = topk
         if topk:
@@ -203,28 +213,6 @@ class DPPOTrainer(GRPOTrainer):
 
             if current_platform.is_cpu():
                 backend.sync_weights = functools.partial(sync_weights_in_place, backend)
-
-    def _check_server_logprobs_mode(self, backend) -> None:
-        """Refuse a vLLM server that returns other log-probabilities than those of the distribution it samples from.
-
-        TRL checks the mode only when `vllm_importance_sampling_correction` is on, which DPPO turns off.
-        """
-        config = [None]
-        if self.accelerator.is_main_process:
-            model_config = backend.vllm_client.get_server_info()["model_config"]
-            config = [(model_config["logprobs_mode"], model_config["model"], backend.vllm_client.base_url)]
-        broadcast_object_list(config, from_process=0)
-        mode, model, url = config[0]
-        if mode != "processed_logprobs":
-            raise ValueError(
-                f"The vLLM server at {url} runs with `--logprobs-mode {mode}`: its log-probabilities are not those of "
-                "the distribution it samples from (they miss temperature, penalties and top-k/top-p), so every mu "
-                "would be wrong and DPPO's trust region would act on the error. Restart the server with "
-                "`--logprobs-mode processed_logprobs`, keeping your other options, e.g.\n\n"
-                f"    VLLM_SERVER_DEV_MODE=1 vllm serve {model} --logprobs-mode processed_logprobs --max-logprobs -1 "
-                """--weight-transfer-config '{"backend": "nccl"}'\n\n"""
-                f"(`trl vllm-serve --model {model}` starts the same server with these flags)."
-            )
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self.use_vllm:  # the wrapped backend already returns the sampler's records

@@ -53,6 +53,14 @@ _EOS_TOKEN = "<|im_end|>"  # ends every ChatML turn, so it is where generation m
 # as `ids != pad_token_id` (e.g. labels in transformers' DataCollatorForLanguageModeling)
 # cannot drop the real end-of-turn token the policy must learn to emit.
 _PAD_TOKEN = "<|endoftext|>"
+# A reply in SmolLM2's ChatML is its text up to <|im_end|> (SmolLM2 calls no tools). TRL's asynchronous rollout worker
+# parses every reply with the tokenizer's response template (transformers' `parse_response`) and stops at start-up
+# for a chat template it has none for (`trl.chat_template_utils.add_response_schema`), as for this one.
+SMOLLM2_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {"content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"}},
+}
 
 
 def _gguf_location() -> tuple[str, str]:
@@ -160,8 +168,11 @@ def resolve_model(name_or_path: str) -> str:
 
 
 def smollm2_tokenizer(cache_dir: str | None = None) -> PreTrainedTokenizerBase:
-    """Load SmolLM2's tokenizer (chat template, pad and eos set) from the converted folder.
+    """Load SmolLM2's tokenizer (chat template, pad and eos set) from the converted folder, with the response template
+    TRL's asynchronous rollout worker parses replies with (`SMOLLM2_RESPONSE_TEMPLATE`).
 
     Handy for tests that pair a real tokenizer with tiny random models.
     """
-    return AutoTokenizer.from_pretrained(default_model_path(cache_dir))
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path(cache_dir))
+    tokenizer.response_template = SMOLLM2_RESPONSE_TEMPLATE
+    return tokenizer

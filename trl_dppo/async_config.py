@@ -1,0 +1,52 @@
+"""`AsyncDPPOConfig`: TRL's `AsyncGRPOConfig` plus DPPO's trust region, for `AsyncDPPOTrainer`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trl.experimental.async_grpo import AsyncGRPOConfig
+
+from .config import TrustRegionArguments, refuse_vllm_truncated_sampling
+from .trust_regions import get_trust_region
+
+
+__all__ = ["AsyncDPPOConfig"]
+
+
+@dataclass
+class AsyncDPPOConfig(TrustRegionArguments, AsyncGRPOConfig):
+    r"""
+    Configuration for [`AsyncDPPOTrainer`]: everything TRL's `AsyncGRPOConfig` holds, plus DPPO's trust region.
+
+    The trust-region fields are [`DPPOConfig`]'s: `trust_region` (`dppo`, or for a baseline in the same trainer
+    `grpo`, PPO's ratio clip at `epsilon` / `epsilon_high`, or another registered method that needs only the sampled
+    token's log-probabilities) with its `trust_region_kwargs`, `divergence` (`binary_tv` or `binary_kl`),
+    `divergence_delta`, `delta_low` and `delta_high`. The trust region is anchored to the log-probability the rollout
+    worker's vLLM server recorded for each sampled token, however many policy versions old (`max_staleness`).
+
+    Refused here: the top-K divergences (TRL's rollout worker asks vLLM for the sampled token's log-probability only),
+    a trust region that recomputes its anchor (`minirl`: the trainer runs no pass over a batch before updating on it),
+    and truncated or penalised sampling (`top_p` < 1, `top_k` > 0, `min_p` > 0, `repetition_penalty` != 1: vLLM
+    reports the log-probabilities after them, which pi = softmax(logits / T) lacks).
+    """
+
+    _VALID_DICT_FIELDS = AsyncGRPOConfig._VALID_DICT_FIELDS + ["trust_region_kwargs"]
+
+    def __post_init__(self):
+        self._resolve_trust_region()
+        if self.divergence.startswith("topk"):
+            raise ValueError(
+                f"divergence={self.divergence!r} needs the sampler's top-K log-probabilities at every token, and TRL's "
+                "rollout worker asks vLLM for the sampled token's only. Use divergence='binary_tv' or 'binary_kl'."
+            )
+        if get_trust_region(self.trust_region).recomputes_anchor:
+            raise ValueError(
+                f"trust_region={self.trust_region!r} clips against pi_old, recomputed by the trainer before a batch's "
+                "first update; the asynchronous trainer runs no such pass, and its anchor is the sampler's record. "
+                "Use trust_region='grpo' for PPO's clip against the sampler, or 'dppo'."
+            )
+        refuse_vllm_truncated_sampling(
+            self, "Remove it: AsyncDPPOTrainer samples through vLLM, which cannot report the untruncated mu."
+        )
+        super().__post_init__()  # parses `trust_region_kwargs` given as a JSON string
+        self.trust_region_settings  # a bad or missing setting fails here, not at the first step  # noqa: B018

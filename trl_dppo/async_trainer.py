@@ -1,0 +1,335 @@
+"""`AsyncDPPOTrainer`: TRL's `AsyncGRPOTrainer` with DPPO's trust region, anchored to the rollout worker's records.
+
+TRL's asynchronous GRPO keeps a rollout worker generating against a vLLM server while the trainer learns from samples
+up to `max_staleness` policy versions old. Each sample carries the log-probabilities the server recorded for the tokens
+it sampled (`old_log_probs`): DPPO's mu, which TRL's loss uses for PPO's ratio clip. This trainer changes, each in one
+small override (`docs/overrides.md`; `tests/test_upstream_contract.py` pins what each relies on):
+
+- `compute_loss`: TRL's loss runs unchanged (its forward over the packed rows, its ratio, KL and entropy metrics, the
+  MoE auxiliary loss) on a copy of the batch whose advantages are 0, so its PPO term adds no gradient. A forward hook
+  takes the forward's log pi of every loss term, and the trust region's weights w_t (DPPO: M_t * (pi/mu) * A_t,
+  or another registered method) enter as -w_t * exp(log pi - sg(log pi)), normalised as TRL normalises its own term.
+  Tokens without a sampler log-probability leave the loss and are counted.
+- `get_train_dataloader`: each batch also carries, per loss term, the policy version that sampled it, so the trust
+  region's diagnostics are logged per policy lag (`staleness.py`); `_sync_weight`: every process learns the version
+  of the weights it trains (TRL counts versions on the main process).
+- `__init__`: refuses a server whose log-probabilities are not those it samples from; where TRL's FlashAttention-3
+  kernel is not available (no CUDA, or not loadable), uses an exact PyTorch version of TRL's packed tree attention
+  (`tree_attention.py`); on a device without CUDA reads no peak-FLOPs figure (TRL reads it through `torch.cuda`) and
+  refuses TRL's full-weight sync (NCCL, CUDA only) with what to do instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from accelerate.utils import broadcast_object_list
+from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
+from trl.experimental.async_grpo.packing import TREE_ATTENTION
+
+from .async_config import AsyncDPPOConfig
+from .diagnostics import RATES, trust_region_sums
+from .divergence import binary_divergence, trust_region_mask
+from .losses import loss_from_weights
+from .staleness import LAG_BUCKETS, LAG_RATES, lag_rate_name, sums_by_lag
+from .trainer import DPPOTrainer
+from .tree_attention import register_tree_attention_without_kernel
+from .trust_regions import TrustRegion, TrustRegionInput, get_trust_region
+from .vllm_server import refuse_unprocessed_logprobs
+
+
+if TYPE_CHECKING:
+    from datasets import Dataset, IterableDataset
+    from peft import PeftConfig
+    from torch.utils.data import DataLoader
+    from transformers import PreTrainedTokenizerBase, TrainerCallback
+    from trl.experimental.async_grpo.async_grpo_trainer import (
+        EnvironmentFactory,
+        RewardFunc,
+        RolloutWorkerProtocol,
+        WeightTransferProtocol,
+    )
+
+__all__ = ["AsyncDPPOTrainer"]
+
+# The batch key holding, per loss term, the policy version that sampled it
+POLICY_VERSION = "policy_version"
+# Where the sample's policy version rides from the rollout queue to the collator (see `_QueueWithPolicyVersions`)
+_METRICS_KEY = "_dppo/policy_version"
+# vLLM's OpenAI server writes a log-probability of -inf as -9999.0; a missing one reaches TRL's array as NaN
+VLLM_LOGPROB_FLOOR = -9999.0
+# The server the asynchronous trainer needs, for the error that refuses a server with other log-probabilities
+SERVER_RESTART_EXAMPLE = (
+    "    VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 vllm serve {model} "
+    "--logprobs-mode processed_logprobs --enable-lora --max-lora-rank R --max-loras N\n\n"
+    "(with LoRA adapters of rank up to R and N = max_staleness + 2; to sync full weights over NCCL instead, "
+    """--weight-transfer-config '{{"backend": "nccl"}}')."""
+)
+
+
+@dataclass(frozen=True)
+class _TrustRegionSetup:
+    """The trust region as the config chose it: every config value the loss reads, read once (`from_args`)."""
+
+    method: TrustRegion
+    settings: dict[str, Any]
+    kind: str  # of the binary divergence: "tv" or "kl"
+    delta_low: float  # DPPO's thresholds, for the diagnostics whatever the method
+    delta_high: float
+
+    @classmethod
+    def from_args(cls, args: AsyncDPPOConfig) -> _TrustRegionSetup:
+        return cls(
+            method=get_trust_region(args.trust_region),
+            settings=args.trust_region_settings,
+            kind=args.divergence_kind,
+            delta_low=args.delta_low,
+            delta_high=args.delta_high,
+        )
+
+
+class _QueueWithPolicyVersions:
+    """TRL's rollout queue, giving out samples whose `metrics` also hold the policy version that sampled them.
+
+    TRL's `RolloutQueueDataset` keeps `sample.metrics` in the examples it yields but drops `sample.model_version`;
+    `_collate_policy_versions` takes the version back out of the metrics before TRL's collator logs them.
+    """
+
+    def __init__(self, queue):
+        self._queue = queue
+
+    def get(self, *args, **kwargs):
+        sample = self._queue.get(*args, **kwargs)
+        sample.metrics[_METRICS_KEY] = sample.model_version
+        return sample
+
+    def __getattr__(self, name: str):
+        return getattr(self._queue, name)
+
+
+def _collate_policy_versions(torch_call: Callable, examples: list) -> dict[str, torch.Tensor]:
+    """TRL's collator (`torch_call`), with `POLICY_VERSION`: the version of each loss term's sample."""
+    (rows,) = examples  # one micro-batch: a `packing.TreeRow` per process
+    versions = [torch.tensor([sample["metrics"].pop(_METRICS_KEY) for sample in row.samples]) for row in rows]
+    batch = torch_call(examples)
+    # `segment_id` gives each loss term's sample in its row (0 on padding, which `token_index` < 0 marks)
+    batch[POLICY_VERSION] = torch.stack(
+        [row_versions[segments] for row_versions, segments in zip(versions, batch["segment_id"], strict=True)]
+    )
+    return batch
+
+
+@contextmanager
+def _peak_flops_unknown_without_cuda():
+    """Without CUDA, the device's peak FLOPs are unknown: TRL reads them through `torch.cuda.get_device_name`, which
+    fails elsewhere, and `None` is TRL's own value for a device it has no figure for (its MFU metrics are left out)."""
+    original = async_grpo_trainer.get_peak_flops_per_device
+
+    def peak_flops(accelerator, dtype: str) -> float | None:
+        return original(accelerator, dtype) if accelerator.device.type == "cuda" else None
+
+    async_grpo_trainer.get_peak_flops_per_device = peak_flops
+    try:
+        yield
+    finally:
+        async_grpo_trainer.get_peak_flops_per_device = original
+
+
+class AsyncDPPOTrainer(AsyncGRPOTrainer):
+    """Divergence Proximal Policy Optimization on TRL's asynchronous GRPO trainer (`trl.experimental.async_grpo`).
+
+    Takes the same arguments as `AsyncGRPOTrainer`, with `args` an [`AsyncDPPOConfig`]. See the module docstring for
+    what differs.
+    """
+
+    _tag_names = ["trl", "async-dppo"]
+    _name = "AsyncDPPO"
+    _paper = DPPOTrainer._paper
+
+    # AsyncGRPOTrainer's parameters, spelled out so IDEs and docs show them; all of them go to it unchanged
+    def __init__(
+        self,
+        model: str,
+        reward_funcs: RewardFunc | list[RewardFunc] | None = None,
+        args: AsyncDPPOConfig | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        peft_config: PeftConfig | None = None,
+        tools: list[Callable] | None = None,
+        environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory] | None = None,
+        rollout_worker: RolloutWorkerProtocol | None = None,
+        weight_transfer: WeightTransferProtocol | None = None,
+    ):
+        if args is None:
+            args = AsyncDPPOConfig(f"{model.split('/')[-1]}-AsyncDPPO")
+        if not isinstance(args, AsyncDPPOConfig):
+            raise TypeError(
+                f"AsyncDPPOTrainer needs an AsyncDPPOConfig, got {type(args).__name__}: pass an AsyncDPPOConfig (it "
+                "takes every AsyncGRPOConfig field, plus DPPO's trust region)."
+            )
+        with _peak_flops_unknown_without_cuda():
+            super().__init__(
+                model,
+                reward_funcs,
+                args,
+                train_dataset=train_dataset,
+                processing_class=processing_class,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                peft_config=peft_config,
+                tools=tools,
+                environment_factory=environment_factory,
+                rollout_worker=rollout_worker,
+                weight_transfer=weight_transfer,
+            )
+        if weight_transfer is None and not self._lora_sync and self.accelerator.device.type != "cuda":
+            raise ValueError(
+                "Without a LoRA adapter the vLLM server can serve, TRL syncs the full weights to it over NCCL, which "
+                f"needs CUDA on both sides; this trainer runs on {self.accelerator.device.type}. Train a LoRA adapter "
+                "(peft_config, against a server started with --enable-lora) so that each version is published as "
+                "adapter files, or pass a `weight_transfer` of your own."
+            )
+        # Registered after TRL's own registration in `super().__init__`, which it replaces
+        register_tree_attention_without_kernel(TREE_ATTENTION, self.accelerator.device)
+        if rollout_worker is None:  # TRL's worker samples from the server; TRL does not check its log-probabilities
+            if self.accelerator.is_main_process:
+                self.vllm_client.wait_for_server_ready()
+            refuse_unprocessed_logprobs(
+                self.accelerator, self.vllm_client, args.vllm_server_base_url, SERVER_RESTART_EXAMPLE
+            )
+        self._trust_region = _TrustRegionSetup.from_args(args)
+        # The policy version of the weights being trained, on every process (`_sync_weight`)
+        self._policy_version = 0
+        if self.accelerator.is_main_process:
+            self.rollout_queue = _QueueWithPolicyVersions(self.rollout_queue)
+
+    # ------------------------------------------------------------------------------------- policy versions
+
+    def get_train_dataloader(self) -> DataLoader:
+        loader = super().get_train_dataloader()
+        if self.accelerator.is_main_process:  # the main process alone collates; the others receive its batches
+            collator = loader.collate_fn
+            collator.torch_call = functools.partial(_collate_policy_versions, collator.torch_call)
+        return loader
+
+    def _sync_weight(self):
+        super()._sync_weight()
+        # TRL counts versions on the main process only; every process's loss needs the version for its samples' lag
+        self._policy_version = broadcast_object_list([self.model_version], from_process=0)[0]
+
+    # -------------------------------------------------------------------------------------------------- loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        terms = inputs["token_index"] >= 0  # this process's loss terms; TRL pads the batch's rows with -1
+        no_mu = ~torch.isfinite(inputs["old_log_probs"]) | (inputs["old_log_probs"] <= VLLM_LOGPROB_FLOOR)
+        # TRL's PPO term with zero advantages: no gradient, its metrics (ratio, kl, entropy) against finite mu
+        ppo_inputs = {
+            **inputs,
+            "advantages": torch.zeros_like(inputs["advantages"]),
+            "old_log_probs": inputs["old_log_probs"].masked_fill(no_mu, 0.0),
+        }
+        forward = []
+        hook = model.register_forward_hook(lambda module, args, output: forward.append(output.log_probs))
+        try:
+            loss = super().compute_loss(model, ppo_inputs, return_outputs, num_items_in_batch)
+        finally:
+            hook.remove()
+        (log_probs,) = forward  # over the packed positions; each loss term reads its position
+        trainer_logps = log_probs.flatten()[inputs["token_index"][terms]]
+        sampler_logps, missing = inputs["old_log_probs"][terms], no_mu[terms]
+        lag = self._policy_version - inputs[POLICY_VERSION][terms]
+        advantages = inputs["advantages"][terms]
+        global_n_tokens = inputs["global_n_tokens"][0]
+        return loss + self._trust_region_loss(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens)
+
+    def _trust_region_loss(
+        self,
+        trainer_logps: torch.Tensor,
+        sampler_logps: torch.Tensor,
+        advantages: torch.Tensor,
+        lag: torch.Tensor,
+        missing: torch.Tensor,
+        global_n_tokens: torch.Tensor,
+    ) -> torch.Tensor:
+        """-sum_t w_t * exp(log pi - sg(log pi)) over this process's loss terms (one flat row), normalised like TRL's
+        term: over the tokens of all processes, by gradient-accumulation step. Logs the trust region's metrics."""
+        setup = self._trust_region
+        tokens = ~missing[None]
+        with torch.no_grad():
+            pi = trainer_logps.detach()[None]
+            mu = torch.where(tokens, sampler_logps[None], pi)  # a neutral anchor for tokens without one
+            advantages = advantages[None]
+            divergence = binary_divergence(mu, pi, setup.kind)
+            batch = TrustRegionInput(
+                trainer_logps=pi,
+                sampler_logps=mu,
+                base_logps=mu,
+                advantages=advantages,
+                divergence=divergence,
+                anchor_logps=pi,
+            )
+            weights, keep = setup.method(batch, **setup.settings)
+            # DPPO's own mask, whatever the trust region: the diagnostics compare it with PPO's clip
+            dppo_keep = trust_region_mask(divergence, mu, pi, advantages, setup.delta_low, setup.delta_high)
+            diagnostics = dict(
+                keep=keep,
+                dppo_keep=dppo_keep,
+                advantages=advantages,
+                sampler_logps=mu,
+                base_logps=mu,  # vLLM reports only mu (truncated sampling is refused)
+                trainer_logps=pi,
+                epsilon_low=self.epsilon_low,
+                epsilon_high=self.epsilon_high,
+            )
+            sums = self._log_trust_region(tokens, lag[None], diagnostics, (pi.exp() - mu.exp()).abs())
+        # TRL's normalisation of its own term, less the tokens that left the loss
+        tokens_per_process = ((global_n_tokens - sums["missing"]) / self.accelerator.num_processes).clamp(min=1.0)
+        loss = loss_from_weights(trainer_logps[None], weights * tokens).sum()
+        return loss / tokens_per_process / self.current_gradient_accumulation_steps
+
+    def _log_trust_region(
+        self, tokens: torch.Tensor, lag: torch.Tensor, diagnostics: dict[str, Any], prob_diff: torch.Tensor
+    ) -> dict[str, float]:
+        """Sum the diagnostics over processes, overall and by lag bucket, into TRL's metric sink (rates as
+        (numerator, denominator) pairs, which TRL reduces over the logging window); returns the sums."""
+        counts = trust_region_sums(tokens, **diagnostics)
+        counts.update(sums_by_lag(lag, tokens, **diagnostics))
+        counts["missing"] = (~tokens).sum()
+        counts["lag"] = (lag * tokens).sum()
+        values = torch.stack([value.float() for value in counts.values()])
+        sums = dict(zip(counts, self.accelerator.reduce(values, reduction="sum").tolist(), strict=True))
+        local_max = torch.stack(
+            [
+                prob_diff[tokens].max() if tokens.any() else prob_diff.new_zeros(()),
+                lag[tokens].max().float() if tokens.any() else prob_diff.new_zeros(()),
+            ]
+        )
+        prob_diff_max, lag_max = self.accelerator.gather(local_max[None]).amax(0).tolist()
+
+        metrics = self._metrics["train"]
+
+        def rate(name: str, numerator: str, denominator: str) -> None:
+            if sums[denominator] > 0:  # a rate over no token is left out of the window rather than logged as 0
+                metrics[name].append((sums[numerator], sums[denominator]))
+
+        for name, (numerator, denominator) in RATES.items():
+            rate(name, numerator, denominator)
+        for bucket in LAG_BUCKETS:
+            if sums[lag_rate_name("tokens", bucket)] == 0:  # no sample of this lag in the batch
+                continue
+            for name, (numerator, denominator) in LAG_RATES.items():
+                in_bucket = lag_rate_name(denominator, bucket) if denominator else "tokens"
+                rate(lag_rate_name(name, bucket), lag_rate_name(numerator, bucket), in_bucket)
+        metrics["mismatch/abs_prob_diff_max"].append(prob_diff_max)
+        metrics["trust_region/ratio_limited_tokens"].append(sums["ratio_limited"])
+        metrics["mismatch/missing_sampler_logps"].append(sums["missing"])
+        rate("staleness/lag_mean", "lag", "tokens")
+        metrics["staleness/lag_max"].append(lag_max)
+        return sums

@@ -1,0 +1,54 @@
+"""The trust region's diagnostics by policy lag, for the asynchronous trainer.
+
+`sums_by_lag` splits `diagnostics.trust_region_sums` (what the trust region did and how far pi is from mu, as sums
+over the loss tokens) by how many policy versions a sample's sampler lags the trainer (0, 1, 2, 3 and more), which
+`AsyncDPPOTrainer` logs as `<metric>_lag_<bucket>`: a user sees the trust region tighten as samples age.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .diagnostics import RATES, trust_region_sums
+
+
+__all__ = ["LAG_BUCKETS", "LAG_RATES", "lag_rate_name", "sums_by_lag"]
+
+# Policy lag buckets: lag 0, 1, 2, and 3 or more versions
+LAG_BUCKETS = ("0", "1", "2", "3plus")
+# The rates logged per lag bucket, and the bucket's share of the loss tokens
+LAG_RATES = {
+    **{
+        name: RATES[name]
+        for name in (
+            "trust_region/masked_fraction",
+            "mismatch/abs_prob_diff_mean",
+            "diagnostics/bad_update_fraction",
+            "diagnostics/bad_updates_blocked_by_ppo_clip",
+            "diagnostics/bad_updates_blocked_by_dppo_mask",
+        )
+    },
+    "staleness/token_fraction": ("tokens", None),  # None: the denominator is all the loss tokens
+}
+
+
+@torch.no_grad()
+def sums_by_lag(lag: torch.Tensor, mask: torch.Tensor, **tokens: torch.Tensor | float) -> dict[str, torch.Tensor]:
+    """`diagnostics.trust_region_sums` of the tokens of each lag bucket, keyed `<sum>_lag_<bucket>`.
+
+    `lag` (per token, broadcast against `mask`) is how many policy versions the trainer's weights are ahead of the
+    weights that sampled the token; the last bucket holds every lag from 3 on. `tokens` are `trust_region_sums`'
+    other arguments.
+    """
+    bucket = lag.clamp(0, len(LAG_BUCKETS) - 1)
+    sums = {}
+    for index, label in enumerate(LAG_BUCKETS):
+        for name, value in trust_region_sums(mask & (bucket == index), **tokens).items():
+            sums[lag_rate_name(name, label)] = value
+    return sums
+
+
+def lag_rate_name(name: str, bucket: str) -> str:
+    """The name of rate `name` (a key of `LAG_RATES` or `diagnostics.RATES`, or one of their sums) in lag bucket
+    `bucket`."""
+    return f"{name}_lag_{bucket}"

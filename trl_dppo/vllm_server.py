@@ -1,0 +1,36 @@
+"""What DPPO requires of a vLLM server before it trusts the log-probabilities it returns as mu.
+
+Shared by `DPPOTrainer` (server mode) and `AsyncDPPOTrainer` (its rollout worker samples from a server).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from accelerate.utils import broadcast_object_list
+
+
+__all__ = ["refuse_unprocessed_logprobs"]
+
+
+def refuse_unprocessed_logprobs(accelerator, client: Any, url: str, restart_example: str) -> None:
+    """Refuse a vLLM server that returns other log-probabilities than those of the distribution it samples from.
+
+    The main process reads the server's `--logprobs-mode` through `client.get_server_info()` (TRL's `VLLMClient`, sync
+    or async: both return vLLM's resolved config) and every process raises on anything but `processed_logprobs`.
+    `restart_example` is the command line to suggest, with `{model}` where the served model goes.
+    """
+    config = [None]
+    if accelerator.is_main_process:
+        model_config = client.get_server_info()["model_config"]
+        config = [(model_config["logprobs_mode"], model_config["model"])]
+    broadcast_object_list(config, from_process=0)
+    mode, model = config[0]
+    if mode != "processed_logprobs":
+        raise ValueError(
+            f"The vLLM server at {url} runs with `--logprobs-mode {mode}`: its log-probabilities are not those of "
+            "the distribution it samples from (they miss temperature, penalties and top-k/top-p), so every mu "
+            "would be wrong and DPPO's trust region would act on the error. Restart the server with "
+            "`--logprobs-mode processed_logprobs`, keeping your other options, e.g.\n\n"
+            + restart_example.format(model=model)
+        )
