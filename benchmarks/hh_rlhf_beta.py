@@ -53,7 +53,7 @@ PILOT_SETTINGS: dict[str, list[str]] = {
     "beta0.1": ["--beta", "0.1"],
     "beta0.5": ["--beta", "0.5"],
 }
-PILOT_ARGS = ["--seeds", "0", "--max_steps", "40", "--eval_prompts", "64"]
+PILOT_ARGS = ["--seeds", "0", "--max_steps", "32", "--eval_prompts", "64"]
 COMMON = ["--data_path", DATA, "--reward_models_dir", str(RUNS)]
 ENV = {**TRIAL_ENV, "TOKENIZERS_PARALLELISM": "false"}
 
