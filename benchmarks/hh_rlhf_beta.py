@@ -39,12 +39,12 @@ DATA = "../shared/data/hh-rlhf/harmless-base-test.jsonl.gz"  # relative to the r
 RUNS = Path("runs/hh-rlhf-beta")  # full outputs (reward models, adapters); not committed
 RESULTS = ROOT / "benchmarks" / "results" / "hh_rlhf_beta"
 # Settings: the pipeline's arguments beyond COMMON. Every other argument is the pipeline's default (100 DPPO steps,
-# seeds 0 and 1, 128 held-out prompts x 2 replies, lr 3e-4, binary TV at delta 0.15). The two beta > 0 values are
-# fixed by the pilot (README.md), before the study runs; GRPO's clip runs at the smaller one.
+# seeds 0 and 1, 128 held-out prompts x 2 replies, lr 3e-4, binary TV at delta 0.15). The two beta > 0 values were
+# fixed by the pilot (README.md), before the study ran; GRPO's clip runs at the smaller one.
 SETTINGS: dict[str, list[str]] = {
     "beta0": ["--beta", "0"],
     "beta0.1": ["--beta", "0.1"],
-    "beta0.3": ["--beta", "0.3"],
+    "beta0.5": ["--beta", "0.5"],
     "grpo_beta0.1": ["--trust_region", "grpo", "--beta", "0.1"],
 }
 # The pilot: candidate betas, one seed, a shorter run and half the held-out prompts
@@ -72,14 +72,15 @@ def run_setting(name: str, args: list[str], out: Path) -> None:
     run_dir = RUNS / ("pilot" if out != RESULTS else "") / name
     command = ["python", "-m", "trl_dppo.jobs.hh_pipeline", *COMMON, *args, "--output_dir", str(run_dir)]
     (ROOT / run_dir).mkdir(parents=True, exist_ok=True)
+    console = run_dir.parent / f"{name}.log"  # not with_suffix: "beta0.1" would become "beta0.log"
     started = time.time()
     print(f"{name}: {shlex.join(command)}", flush=True)
-    with open(ROOT / run_dir.with_suffix(".log"), "w") as log:
+    with open(ROOT / console, "w") as log:
         proc = subprocess.run(
             [sys.executable, *command[1:]], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENV}
         )
     if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed; see {run_dir.with_suffix('.log')}")
+        raise RuntimeError(f"{name} failed; see {console}")
     summary = json.loads((ROOT / run_dir / "summary.json").read_text())
     for seed, run in summary["policy"]["seeds"].items():
         history = load_log_history(ROOT / run_dir / f"seed{seed}")
