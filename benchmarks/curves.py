@@ -30,6 +30,8 @@ KEPT_METRICS = (
     "grad_norm",
     "step_time",
     "completions/mean_length",
+    "completions/clipped_ratio",
+    "kl",
     "mismatch/kl_mean",
     "mismatch/abs_prob_diff_mean",
     "mismatch/abs_prob_diff_max",

@@ -2,8 +2,9 @@
 
     trl-dppo math [ARGS]        DPPO + LoRA on arithmetic (the main job; examples/dppo_math_lora.py)
     trl-dppo hh-rlhf [ARGS]     DPPO + LoRA on HH-RLHF prompts with a reward model (examples/hh_rlhf_lora.py)
-    trl-dppo hh [ARGS]          a reward model on HH preference pairs, then DPPO against it (trl_dppo.jobs.hh_pipeline)
-    trl-dppo hh-reward-model    that pipeline's reward model alone
+    trl-dppo hh [ARGS]          a reward model and a judge on HH preference pairs, then DPPO against the reward model,
+                                judged on held-out prompts (trl_dppo.jobs.hh_pipeline)
+    trl-dppo hh-reward-model    that pipeline's reward model and judge alone
     trl-dppo plot RUN [--out]   the plots of a run (python -m trl_dppo.jobs.plots)
 
 The training jobs take TRL-style flags (every DPPOConfig and ModelConfig field, and the job's own) and `--config
@@ -23,8 +24,8 @@ from collections.abc import Sequence
 COMMANDS = {
     "math": ("trl_dppo.jobs.dppo_math_lora", "cli", "DPPO + LoRA on verifiable arithmetic (the main job)"),
     "hh-rlhf": ("trl_dppo.jobs.hh_rlhf_lora", "cli", "DPPO + LoRA on HH-RLHF prompts scored by a reward model"),
-    "hh": ("trl_dppo.jobs.hh_pipeline", "main", "HH-RLHF end to end: a reward model on HH pairs, DPPO against it"),
-    "hh-reward-model": ("trl_dppo.jobs.hh_pipeline", "reward_model_main", "the HH pipeline's reward model alone"),
+    "hh": ("trl_dppo.jobs.hh_pipeline", "main", "HH-RLHF end to end: reward model and judge, DPPO, held-out measures"),
+    "hh-reward-model": ("trl_dppo.jobs.hh_pipeline", "reward_model_main", "the HH pipeline's reward model and judge"),
     "plot": ("trl_dppo.jobs.plots", "main", "draw the plots of a run from its output_dir or log history"),
 }
 

@@ -2,10 +2,12 @@
 
 HH-RLHF rows are preference pairs (``chosen`` / ``rejected`` dialogues sharing everything but the last Assistant
 reply). Here each row becomes ``{"prompt", "chosen", "rejected"}`` in TRL's conversational preference format, the rows
-are split once, by a seed, into three disjoint parts (the reward model's training pairs, the pairs whose prompts DPPO
-trains on, and a held-out part neither model ever trains on), and the reward model is trained on the first part and
-saved merged, as an ordinary one-output sequence-classification model that
-`trl_dppo.jobs.hh_rlhf.load_reward_model` (and so ``examples/hh_rlhf_lora.py --reward_model_name_or_path DIR``) loads.
+are split once, by a seed, into four disjoint parts (a held-out part nothing trains on, the pairs whose prompts DPPO
+trains on, the judge's training pairs and the reward model's), and a reward model is trained on a part and saved
+merged, as an ordinary one-output sequence-classification model that `trl_dppo.jobs.hh_rlhf.load_reward_model` (and so
+``examples/hh_rlhf_lora.py --reward_model_name_or_path DIR``) loads. The judge is a second reward model, trained the
+same way on its own part: the policy never trains against it, so it can say whether the optimised reward's gains are
+real.
 
 Scores are computed the way GRPOTrainer computes them during DPPO (conversation rendered with the reward tokenizer's
 chat template, right padding, no special tokens added), so a held-out accuracy measured here is the accuracy of the
@@ -105,39 +107,54 @@ def load_hh_pairs(
 
 @dataclass(frozen=True)
 class HHSplits:
-    """Disjoint parts of the pairs: the reward model trains on one, DPPO on another's prompts, neither on held_out."""
+    """Disjoint parts of the pairs: the reward model trains on one, the judge on another, DPPO on a third's prompts,
+    and nothing on held_out."""
 
     reward_train: Dataset
+    judge_train: Dataset
     policy_train: Dataset
     held_out: Dataset
 
     def sizes(self) -> dict[str, int]:
         return {
             "reward_train": len(self.reward_train),
+            "judge_train": len(self.judge_train),
             "policy_train": len(self.policy_train),
             "held_out": len(self.held_out),
         }
 
 
 def split_hh_pairs(
-    pairs: Dataset, held_out: int, policy_train: int, seed: int, reward_train: int | None = None
+    pairs: Dataset,
+    held_out: int,
+    policy_train: int,
+    seed: int,
+    judge_train: int | None = None,
+    reward_train: int | None = None,
 ) -> HHSplits:
-    """Shuffle the pairs with ``seed`` and cut them into held-out, policy and reward-model parts, in that order.
+    """Shuffle the pairs with ``seed`` and cut them into held-out, policy, judge and reward-model parts, in that order.
 
-    The held-out and policy parts are cut first, so they stay the same whatever ``reward_train`` is; ``None`` gives the
-    reward model every remaining pair.
+    The held-out and policy parts are cut first, so they stay the same whatever the two reward models get;
+    ``judge_train=None`` gives the judge half of the pairs left after them (rounded down), ``reward_train=None`` gives
+    the reward model every pair left after the judge's.
     """
-    if held_out + policy_train >= len(pairs):
+    left = len(pairs) - held_out - policy_train
+    judge_train = left // 2 if judge_train is None else judge_train
+    if judge_train < 1 or left - judge_train < 1 or (reward_train is not None and reward_train > left - judge_train):
         raise ValueError(
-            f"held_out ({held_out}) + policy_train ({policy_train}) pairs leave none of the {len(pairs)} usable pairs "
-            "for the reward model; lower them, or raise max_length to keep more pairs."
+            f"held_out ({held_out}) + policy_train ({policy_train}) pairs leave {left} of the {len(pairs)} usable "
+            f"pairs, which cannot give the judge {judge_train} and the reward model "
+            f"{'the rest' if reward_train is None else reward_train} (each needs at least one); lower them, or raise "
+            "max_length to keep more pairs."
         )
     order = list(range(len(pairs)))
     random.Random(seed).shuffle(order)
-    rest = order[held_out + policy_train :]
+    judge_start = held_out + policy_train
+    rest = order[judge_start + judge_train :]
     return HHSplits(
         reward_train=pairs.select(rest if reward_train is None else rest[:reward_train]),
-        policy_train=pairs.select(order[held_out : held_out + policy_train]),
+        judge_train=pairs.select(order[judge_start : judge_start + judge_train]),
+        policy_train=pairs.select(order[held_out:judge_start]),
         held_out=pairs.select(order[:held_out]),
     )
 
