@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
-from trl.chat_template_utils import qwen2_5_chat_template
+from trl.chat_template_utils import add_response_schema, qwen2_5_chat_template
 
 from trl_dppo.records import tagged_rows
 
@@ -44,9 +44,12 @@ def divergence_settings(divergence: str) -> dict[str, Any]:
 
 
 def with_tool_chat_template(tokenizer):
+    """A copy of `tokenizer` that renders and parses tools: Qwen2.5's chat template, and the response template TRL
+    pairs with it (the copy would otherwise keep SmolLM2's, which parses replies as plain text: no call is ever
+    executed)."""
     tokenizer = copy.deepcopy(tokenizer)
     tokenizer.chat_template = qwen2_5_chat_template
-    return tokenizer
+    return add_response_schema(tokenizer)
 
 
 def multiply(a: int, b: int) -> int:

@@ -153,11 +153,15 @@ def test_at_learning_rate_0_mu_is_the_servers_bf16_probability_under_the_synced_
         assert lags and all(math.isfinite(entry[f"mismatch/abs_prob_diff_mean_lag_{b}"]) for b in lags)
 
 
-def test_the_trust_region_masks_more_of_the_samples_that_lag_more(server, tokenizer, prompts, tmp_path):
-    """At a learning rate that moves pi between versions, the queue's older samples are further from it.
+def test_the_trust_region_masks_the_samples_that_lag_and_not_the_fresh_ones(server, tokenizer, prompts, tmp_path):
+    """At a learning rate that moves pi between versions, a sample drawn by an older policy is further from it.
 
     The worker fills the queue with samples of the first versions while the trainer takes its first steps, so the
-    steps train on samples 0, 1, 2, then 3 or more versions old (TRL drops them beyond `max_staleness`).
+    steps train on samples 0, 1, 2, then 3 or more versions old (TRL drops them beyond `max_staleness`). Each lagged
+    bucket holds one or a few steps, so how the lagged buckets order among themselves follows the optimizer's path
+    (one run measured 0.10, 0.15, 0.21-0.34 at lags 1, 2, 3+; another 0.12, 0.07, 0.15, its second update partly
+    undoing the first): the test asserts what holds on every path, fresh against lagged; the staleness study
+    (benchmarks/async_staleness.py) measures the trend over many steps.
     """
     trainer = async_trainer(tmp_path, server, tokenizer, prompts, learning_rate=1e-2, max_steps=6)
     trainer.train()
@@ -169,12 +173,13 @@ def test_the_trust_region_masks_more_of_the_samples_that_lag_more(server, tokeni
                 gap.setdefault(bucket, []).append(entry[f"mismatch/abs_prob_diff_mean_lag_{bucket}"])
     assert list(masked) == ["0", "1", "2", "3plus"], masked
     mean = {bucket: sum(values) / len(values) for bucket, values in gap.items()}
-    # |pi - mu| grows with the lag (measured 0.007 at lag 0, then 0.10, 0.15, 0.21-0.34) ...
-    assert mean["0"] < 0.02 < mean["1"] < mean["2"] < mean["3plus"], mean
-    # ... and the trust region masks nothing of the fresh samples (their gap is the bf16 sampler's, below delta =
-    # 0.15 but for rare tokens) and a share of the old ones (measured 0.06 at lag 1, 0.14-0.15 at 2, 0.04-0.42 beyond
-    # from step to step, 0.15-0.30 on average)
-    old = masked["2"] + masked["3plus"]
+    # fresh samples differ from pi by the bf16 sampler's gap (0.007-0.008 measured; 0.009 at learning rate 0), every
+    # lagged bucket by at least one update at learning rate 1e-2 (0.07 and more measured)
+    lagged = ("1", "2", "3plus")
+    assert mean["0"] < 0.02 < min(mean[bucket] for bucket in lagged), mean
+    # the trust region masks nothing of the fresh samples (their gap is below delta = 0.15 but for rare tokens) and a
+    # share of the lagged ones (measured 0.06-0.14 at lags 1 and 2, 0.04-0.42 beyond, from step to step)
+    old = [fraction for bucket in lagged for fraction in masked[bucket]]
     assert max(masked["0"]) < 0.05 and sum(old) / len(old) > max(masked["0"]) + 0.05, masked
 
 
