@@ -67,7 +67,8 @@ VLLM_LOGPROB_FLOOR = -9999.0
 SERVER_RESTART_EXAMPLE = (
     "    VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 vllm serve {model} "
     "--logprobs-mode processed_logprobs --enable-lora --max-lora-rank R --max-loras N\n\n"
-    "(with LoRA adapters of rank up to R and N = max_staleness + 2; to sync full weights over NCCL instead, "
+    "(with LoRA adapters of rank up to R, and N the requests TRL keeps in flight, max_staleness x samples per step by "
+    "default, so that no request waits for an adapter slot; to sync full weights over NCCL instead, "
     """--weight-transfer-config '{{"backend": "nccl"}}')."""
 )
 
