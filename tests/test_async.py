@@ -133,9 +133,11 @@ def test_at_learning_rate_0_mu_is_the_servers_bf16_probability_under_the_synced_
     seen = spy_on_the_loss(trainer)
     trainer.train()
     assert len(seen) == 2
+    over_delta = []
     for step in seen:
         pi, mu = step["pi"], step["mu"]
         prob_gap = (mu.exp() - pi.exp()).abs()
+        over_delta.append((prob_gap > trainer.args.divergence_delta).float().mean().item())
         # mu is the server's bf16 probability of the sampled token after temperature, under the adapter the trainer
         # published: close to the fp32 trainer's pi, not equal to it. bf16 keeps 8 significant bits, so SmolLM2's
         # logits (tens, divided by T = 0.7) come out of the server off by up to ~0.1 each: a mean gap of 5e-3 to 1e-2
@@ -147,9 +149,11 @@ def test_at_learning_rate_0_mu_is_the_servers_bf16_probability_under_the_synced_
         assert base_gap.mean() > 3 * prob_gap.mean(), (base_gap.mean(), prob_gap.mean())
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == 2
-    for entry in logs:
+    for entry, share_over_delta in zip(logs, over_delta, strict=True):
         assert entry["mismatch/missing_sampler_logps"] == 0
-        assert entry["trust_region/masked_fraction"] == 0.0
+        # nothing moved, so only a token whose bf16 gap alone exceeds delta can be masked (one of 48 was, in one run)
+        # (both are shares of the same tokens, one counted in float32: 1e-6 covers its rounding, not one token more)
+        assert entry["trust_region/masked_fraction"] <= share_over_delta + 1e-6, (entry, share_over_delta)
         lags = [bucket for bucket in ("0", "1", "2", "3plus") if f"staleness/token_fraction_lag_{bucket}" in entry]
         assert lags and all(math.isfinite(entry[f"mismatch/abs_prob_diff_mean_lag_{b}"]) for b in lags)
 
