@@ -119,7 +119,8 @@ def report(out: Path) -> str:
                 if m == method and s == staleness:
                     values = rewards(run)
                     smooth = [statistics.fmean(values[max(0, j - 4) : j + 1]) for j in range(len(values))]
-                    ax.plot(range(1, len(values) + 1), smooth, color=plt.cm.tab10(i), label=f"{method} seed {seed}")
+                    ax.plot(range(1, len(values) + 1), smooth, color=plt.cm.tab10(i), linestyle=("-", "--")[seed % 2],
+                            label=f"{method} seed {seed}")  # fmt: skip
         ax.set_title(f"max_staleness {staleness}")
         ax.set_xlabel("optimizer step")
         ax.grid(True, alpha=0.3)
