@@ -40,10 +40,12 @@ RUNS = Path("runs/hh-rlhf-beta")  # full outputs (reward models, adapters); not 
 RESULTS = ROOT / "benchmarks" / "results" / "hh_rlhf_beta"
 # Settings: the pipeline's arguments beyond COMMON. Every other argument is the pipeline's default (100 DPPO steps,
 # seeds 0 and 1, 128 held-out prompts x 2 replies, lr 3e-4, binary TV at delta 0.15). The two beta > 0 values were
-# fixed by the pilot (README.md), before the study ran; GRPO's clip runs at the smaller one.
+# fixed by the pilot (README.md), before the study ran; GRPO's clip runs at the smaller one. beta0.3 is the value the
+# pilot named for the case the study met (0.1 drifts into collapse, 0.5 barely moves), added before it ran.
 SETTINGS: dict[str, list[str]] = {
     "beta0": ["--beta", "0"],
     "beta0.1": ["--beta", "0.1"],
+    "beta0.3": ["--beta", "0.3"],
     "beta0.5": ["--beta", "0.5"],
     "grpo_beta0.1": ["--trust_region", "grpo", "--beta", "0.1"],
 }
