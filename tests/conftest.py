@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
 import queue
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -245,6 +249,75 @@ class NoWeightTransfer:
     def send_weights(self, iterator): ...
     def resume(self): ...
     def destroy(self): ...
+
+
+def assert_mu_is_the_bf16_samplers(mu: torch.Tensor, pi: torch.Tensor, mask: torch.Tensor) -> None:
+    """mu is a bf16 vLLM sampler's probability of each sampled token after temperature (vLLM serves the fp32
+    checkpoint in bf16), pi the fp32 trainer's at the same weights: close, not equal; and a wrong mu is far."""
+    prob_gap = (mu.exp() - pi.exp()).abs()[mask]
+    log_gap = (mu - pi).abs()[mask]
+    assert prob_gap.max() < 0.1 and 1e-5 < prob_gap.mean() < 0.01, (prob_gap.mean(), prob_gap.max())
+    assert log_gap.mean() < 0.1, log_gap.mean()  # measured 0.03
+    # ... and the test sees a wrong token: mu shifted by one position is far from pi on the peaked model
+    shifted = (mu[:, 1:] - pi[:, :-1]).abs()[mask[:, 1:] & mask[:, :-1]]
+    assert shifted.mean() > 10 * log_gap.mean()  # measured 2.5-3.2
+
+
+def assert_updates_agree(before: dict, update: dict, other_update: dict) -> None:
+    """Two runs' parameter updates (`p_after - p_before` per trainable tensor, from the same `before`) are equal to
+    float rounding: the same update computed by one process and by two, or in another summation order.
+
+    An update is p_after - p_before of float32 parameters rounded after each of up to 2 steps: half an ulp of |p| per
+    rounding, 2 per run, 4 ulps of |p| between the runs. On top, the gradient summed in another order (two partial
+    sums of at most 32 tokens, then DDP's average) moves by O(sqrt(n)) ulps of its terms, bounded here by 1e-5 of the
+    tensor's largest update. A mis-split batch or a wrong normalisation moves an update by its own size (1e3 times
+    these bounds and more)."""
+    assert update.keys() == other_update.keys()
+    assert any(u.abs().max() > 1e-3 for u in update.values()), "the update should be visible"
+    for param, delta in update.items():
+        p = before[param]
+        ulps_of_param = 4 * EPS32 * torch.maximum(p.abs(), (p + delta).abs())
+        allowed = ulps_of_param + 1e-5 * delta.abs().max()
+        excess = ((other_update[param] - delta).abs() - allowed).max().item()
+        assert excess <= 0, f"{param}: the updates differ by {excess:.3g} beyond the rounding bound"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: Path, arguments: list[str], processes: int, timeout_s: int = 900) -> subprocess.CompletedProcess:
+    """Run a test's worker script in one process (`python`) or in two (`accelerate launch` with
+    examples/accelerate_configs/cpu_2proc.yaml: DDP over gloo on the CPU)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    command = [sys.executable, str(script)]
+    if processes > 1:
+        command = [
+            sys.executable, "-m", "accelerate.commands.launch",
+            "--config_file", str(REPO / "examples/accelerate_configs/cpu_2proc.yaml"),
+            "--num_processes", str(processes),
+            "--main_process_port", str(free_port()),
+            str(script),
+        ]  # fmt: skip
+    return subprocess.run(command + arguments, capture_output=True, text=True, env=env, timeout=timeout_s)
+
+
+def two_processes_then_one(tmp_path: Path, spec: dict) -> tuple[dict, dict]:
+    """Each run of `spec` (tests/launch_worker.py's) trained by two processes on real generation, then its global
+    generation batch trained again by one process: the two runs' results by name."""
+    worker = REPO / "tests" / "launch_worker.py"
+    results = {}
+    for processes in (2, 1):
+        spec_file, out = tmp_path / f"spec{processes}.json", tmp_path / f"{processes}proc.pt"
+        if processes == 1:
+            spec = {**spec, "replay": str(tmp_path / "2proc.pt")}
+        spec_file.write_text(json.dumps(spec))
+        done = launch(worker, [str(spec_file), str(out)], processes)
+        assert done.returncode == 0, done.stderr[-4000:]
+        results[processes] = torch.load(out)
+    return results[2], results[1]
 
 
 def require_vllm() -> None:

@@ -20,7 +20,7 @@ from trl_dppo import AsyncDPPOConfig, AsyncDPPOTrainer
 from trl_dppo.jobs.default_model import default_model_path
 from trl_dppo.jobs.local_server import api_server_command, free_loopback_port, running_server
 
-from .conftest import NoWeightTransfer, length_reward, require_vllm
+from .conftest import REPO, NoWeightTransfer, launch, length_reward, require_vllm
 
 
 require_vllm()
@@ -210,3 +210,21 @@ def test_full_weight_sync_over_nccl_is_refused_without_cuda(vllm_model_dir, toke
     args = AsyncDPPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, vllm_server_base_url="http://x:1")
     with pytest.raises(ValueError, match="over NCCL, which needs CUDA on both sides"):
         AsyncDPPOTrainer(vllm_model_dir, length_reward, args, train_dataset=prompts, processing_class=tokenizer)
+
+
+@pytest.mark.slow
+def test_two_training_processes_against_one_server_each_train_on_the_servers_records(server, tmp_path):
+    """TRL's rollout worker runs on the main process and hands each process its rows; both train on mu as the server
+    recorded it (learning rate 0: the trainer's weights stay the served ones)."""
+    out = tmp_path / "async"
+    done = launch(REPO / "tests" / "async_launch_worker.py", [server, str(out)], processes=2)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for rank in (0, 1):
+        run = torch.load(f"{out}.rank{rank}")
+        assert run["num_processes"] == 2 and len(run["seen"]) == 2
+        for pi, mu, missing in run["seen"]:
+            assert not missing.any()
+            prob_gap = (mu.exp() - pi.exp()).abs()
+            # the bf16 server's gap at temperature 0.7, as at one process (see the first test of this module)
+            assert prob_gap.max() < 0.25 and 1e-4 < prob_gap.mean() < 0.02, (prob_gap.mean(), prob_gap.max())
+            assert (mu[1:].exp() - pi[:-1].exp()).abs().mean() > 10 * prob_gap.mean()  # a wrong mu is far

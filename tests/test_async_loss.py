@@ -249,3 +249,20 @@ def test_init_takes_async_grpo_trainers_parameters():
 def test_settings_whose_mu_cannot_be_right_are_refused(setting, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         AsyncDPPOConfig(output_dir=str(tmp_path), bf16=False, **setting)
+
+
+def test_dropout_is_off_by_default_where_async_grpo_leaves_it_on(
+    tmp_path, tiny_model_dir, tokenizer, prompts, monkeypatch
+):
+    """AsyncGRPOConfig has no disable_dropout and AsyncGRPOTrainer trains with the model's dropout; the server samples
+    without it, so AsyncDPPOTrainer zeroes it unless told otherwise (as DPPOConfig's disable_dropout)."""
+    monkeypatch.setitem(LORA, "lora_dropout", 0.1)
+
+    def dropout_probabilities(trainer):
+        return {m.p for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout)}
+
+    assert AsyncDPPOConfig(output_dir=str(tmp_path), bf16=False).disable_dropout is True
+    assert dropout_probabilities(stub_trainer(tmp_path, tiny_model_dir, tokenizer, prompts)) == {0.0}
+    with pytest.warns(UserWarning, match="disable_dropout=False with dropout in the model"):
+        kept = stub_trainer(tmp_path, tiny_model_dir, tokenizer, prompts, disable_dropout=False)
+    assert dropout_probabilities(kept) == {0.1}

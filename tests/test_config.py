@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 from transformers import HfArgumentParser
@@ -47,6 +48,38 @@ def test_defaults(make_config):
     assert config.vllm_importance_sampling_correction is False
     assert config.loss_type == "dapo" == GRPOConfig.loss_type
     assert config.importance_sampling_level == "token"
+
+
+def test_dropout_is_disabled_by_default_unlike_grpo(make_config):
+    """The sampler generates without dropout, so the trainer's forward must not have any either
+    (benchmarks/results/dropout_gap); an explicit False is kept."""
+    assert make_config().disable_dropout is True
+    assert GRPOConfig.disable_dropout is False
+    assert make_config(disable_dropout=False).disable_dropout is False
+
+
+@pytest.mark.parametrize(
+    "reuse", [dict(num_iterations=2), dict(steps_per_generation=2)], ids=["num_iterations", "steps_per_generation"]
+)
+def test_a_bias_corrected_kl_on_reused_batches_warns_that_its_ratio_reads_one(make_config, reuse):
+    with pytest.warns(UserWarning, match=r"use_bias_correction_kl=True on batches reused.*ratio reads 1"):
+        make_config(beta=0.1, per_device_train_batch_size=8, num_generations=4, **reuse)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(beta=0.1, use_bias_correction_kl=False, num_iterations=2),
+        dict(beta=0.0, num_iterations=2),
+        dict(beta=0.1),
+        dict(beta=0.1, gradient_accumulation_steps=2, steps_per_generation=1, num_iterations=2),
+    ],
+    ids=["uncorrected", "no KL", "not reused", "reused within one optimizer step"],
+)
+def test_a_kl_term_equal_to_grpos_does_not_warn(make_config, settings):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        make_config(per_device_train_batch_size=8, num_generations=4, **settings)
 
 
 @pytest.mark.parametrize(
@@ -227,9 +260,11 @@ def test_dppo_config_shares_no_field_name_with_grpo_config_in_another_meaning():
     """Every field DPPOConfig declares is new, or GRPOConfig's own with GRPO's meaning (only defaults differ)."""
     grpo = {f.name: f for f in dataclasses.fields(GRPOConfig)}
     declared = DPPOConfig.__annotations__  # the fields DPPOConfig's own body declares
-    assert [name for name in declared if name in grpo] == ["vllm_importance_sampling_correction"]
+    assert [name for name in declared if name in grpo] == ["vllm_importance_sampling_correction", "disable_dropout"]
     ours = DPPOConfig.__dataclass_fields__["vllm_importance_sampling_correction"].metadata["help"]
     assert "importance-sampling correction" in ours and "Must stay False" in ours
+    ours = DPPOConfig.__dataclass_fields__["disable_dropout"].metadata["help"]
+    assert "torch.nn.Dropout" in ours and "on by default" in ours
 
 
 def test_hf_argument_parser_rejects_an_unknown_divergence(tmp_path):

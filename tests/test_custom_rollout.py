@@ -88,3 +88,24 @@ def test_rollout_func_without_logprobs_stops_with_a_clear_error(tmp_path, tiny_m
     trainer = rollout_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, no_logprobs, max_steps=1)
     with pytest.raises(RuntimeError, match="must return them under 'logprobs': one list per completion"):
         trainer.train()
+
+
+@pytest.mark.parametrize("change", [-1, 1], ids=["shorter", "longer"])
+def test_rollout_func_logprobs_of_the_wrong_length_stop_the_first_batch(
+    tmp_path, tiny_model_dir, prompts, tokenizer, change
+):
+    def wrong_length(prompts, trainer):
+        output = SamplingRollout()(prompts, trainer)
+        logps = output["logprobs"][2]
+        output["logprobs"][2] = logps[:-1] if change < 0 else [*logps, -1.0]
+        wrong_length.lengths = (len(output["completion_ids"][2]), len(output["logprobs"][2]))
+        return output
+
+    trainer = rollout_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, wrong_length, max_steps=1)
+    with pytest.raises(ValueError, match=r"log-probabilities for completion 2 of the batch") as error:
+        trainer.train()
+    tokens, logps = wrong_length.lengths
+    assert f"returned {logps} log-probabilities for completion 2 of the batch, which has {tokens} tokens" in str(
+        error.value
+    )
+    assert trainer.state.global_step == 0

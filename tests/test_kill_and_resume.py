@@ -72,7 +72,9 @@ def test_killed_run_resumed_from_its_checkpoint_logs_what_an_uninterrupted_run_l
     for got, want in zip(interrupted, uninterrupted, strict=True):
         assert got.keys() == want.keys()
         for key, value in want.items():
-            assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (got["step"], key)
+            # None: a rate over no token in its window (docs/metrics.md), such as the blocked share of no bad update
+            expected = None if value is None else pytest.approx(value, rel=1e-6, abs=1e-9)
+            assert got[key] == expected, (got["step"], key)
 
     # Tokens were masked before the kill: the final report holds them only if the checkpoint carried the counts
     assert any(entry["trust_region/masked_fraction"] > 0 for entry in uninterrupted[:SAVE_STEPS])

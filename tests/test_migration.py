@@ -45,6 +45,17 @@ def test_from_grpo_config_with_vllm_settings_keeps_them_and_the_real_hub_token(t
     assert (config.divergence, config.divergence_topk, config.divergence_delta) == ("topk_kl", 5, 0.05)
 
 
+def test_from_grpo_config_turns_grpos_default_dropout_off_and_keeps_an_explicit_choice(tmp_path):
+    """GRPOConfig's disable_dropout=False is its default, which a GRPOConfig cannot tell from a choice: it becomes
+    DPPOConfig's True; False passed to from_grpo_config is kept."""
+    grpo = GRPOConfig(output_dir=str(tmp_path), **COMMON)
+    assert grpo.disable_dropout is False
+    assert DPPOConfig.from_grpo_config(grpo).disable_dropout is True
+    assert DPPOConfig.from_grpo_config(grpo, disable_dropout=False).disable_dropout is False
+    grpo = GRPOConfig(output_dir=str(tmp_path), disable_dropout=True, **COMMON)
+    assert DPPOConfig.from_grpo_config(grpo).disable_dropout is True
+
+
 def test_from_grpo_config_refuses_grpos_two_sided_clip_delta(tmp_path):
     grpo = GRPOConfig(output_dir=str(tmp_path), delta=1.5, **COMMON)
     with pytest.raises(ValueError, match=r"two-sided ratio clip.*divergence_delta"):

@@ -66,6 +66,16 @@ def test_plot_run_writes_the_four_pngs(tmp_path: Path) -> None:
     _assert_pngs(tmp_path / "plots", PNG_NAMES)
 
 
+def test_rates_logged_as_none_are_left_out_of_the_figures(tmp_path: Path) -> None:
+    """A logging window with no token in a rate's denominator (here: no token with A > 0) logs None."""
+    history = synthetic_log_history()
+    for entry in history[::3]:
+        entry["trust_region/masked_fraction_pos_adv"] = None
+    written = plot_run(history, tmp_path / "out")
+    assert sorted(p.name for p in written) == PNG_NAMES
+    _assert_pngs(tmp_path / "out", PNG_NAMES)
+
+
 def test_missing_bucket_metrics_skip_that_figure(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     written = plot_run(synthetic_log_history(buckets=False), tmp_path / "out")
     assert sorted(p.name for p in written) == sorted(set(PNG_NAMES) - {"tokens_by_mu.png"})

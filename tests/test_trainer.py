@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -12,7 +13,15 @@ from trl_dppo import DPPOConfig, DPPOTrainer, dppo_per_token_loss
 from trl_dppo.diagnostics import MU_BUCKETS
 from trl_dppo.records import MissingRecordsError
 
-from .conftest import PolicyForwardCounter, make_trainer, spy_on_trust_region, tiny_model_logprob_atol
+from .conftest import (
+    EPS32,
+    LORA,
+    PolicyForwardCounter,
+    build_tiny_model,
+    make_trainer,
+    spy_on_trust_region,
+    tiny_model_logprob_atol,
+)
 from .multi_turn import force_on_first_turn
 
 
@@ -156,6 +165,45 @@ def test_missing_sampler_logprobs_leave_the_loss_and_are_counted(tmp_path, tiny_
     assert "tool_mask" not in batch  # the caller's batch is left as it was
 
 
+def test_dapo_normalises_over_the_loss_tokens_that_have_a_sampler_logprob(
+    tmp_path, tiny_model_dir, prompts, tokenizer
+):
+    """Tokens whose mu the sampler did not return (NaN, as vLLM's None) leave `dapo`'s normaliser with the loss."""
+    trainer = make_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, loss_type="dapo")
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    generate = trainer._generate
+
+    def without_first_logprobs(prompts):
+        output = generate(prompts)
+        for logps in output[4]:
+            logps[:3] = [float("nan")] * min(3, len(logps))
+        return output
+
+    trainer._generate = without_first_logprobs
+    contexts = []
+    set_advantages = trainer._set_trust_region_advantages
+
+    def keep_context(context, *args):
+        contexts.append(context)
+        return set_advantages(context, *args)
+
+    trainer._set_trust_region_advantages = keep_context
+    batch = trainer._generate_and_score_completions([prompts[0]] * 4 + [prompts[1]] * 4)
+    mask = batch["completion_mask"].bool()
+    kept = mask & torch.isfinite(batch["sampling_per_token_logps"])
+    assert (mask & ~kept).sum() == 3 * 8
+    assert batch["num_items_in_batch"] == kept.sum()
+    batch["advantages"] = torch.tensor([1.0, -1.0] * 4)
+    loss = trainer.compute_loss(trainer.model, batch)
+    (context,) = contexts
+    # GRPOTrainer's per-token loss is -w_t exactly (its ratio exp(log pi - sg(log pi)) is 1.0), so the two differ only
+    # by the order of one float32 sum and one division: a few ulps
+    expected = -(context.inputs["advantages"] * kept).sum() / kept.sum()
+    assert expected != 0
+    torch.testing.assert_close(loss, expected, rtol=8 * EPS32, atol=0.0)
+
+
 def test_truncated_completions_leave_the_loss_as_in_grpo_with_mask_truncated_completions(
     tmp_path, tiny_model_dir, prompts, tokenizer
 ):
@@ -222,3 +270,47 @@ def test_records_lost_on_the_way_to_the_batch_stop_training_with_the_path_named(
     trainer._generate_single_turn = rounding_to_float32
     with pytest.raises(MissingRecordsError, match=r"loss tokens carry no row.*transformers generate\(\), through TRL"):
         trainer.train()
+
+
+@pytest.mark.parametrize("disable_dropout", [None, False], ids=["default", "dropout kept"])
+def test_dropout_is_off_by_default_so_a_lora_adapters_dropout_leaves_pi_at_mu(
+    tmp_path, tiny_model_dir, prompts, tokenizer, monkeypatch, disable_dropout
+):
+    """The sampler generates without dropout; by default the training forward has none either, so at learning rate 0
+    pi equals mu to float32 rounding (`conftest.forward_logprob_atol`) with lora_dropout=0.1, as with 0. Kept on,
+    dropout moves pi off mu (what the test would see)."""
+    monkeypatch.setitem(LORA, "lora_dropout", 0.1)
+    settings = {} if disable_dropout is None else {"disable_dropout": disable_dropout}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make_trainer(
+            tmp_path, tiny_model_dir, prompts, tokenizer, learning_rate=0.0, max_steps=1, **settings
+        )
+    kept_warning = [w for w in caught if "disable_dropout=False with dropout in the model" in str(w.message)]
+    assert len(kept_warning) == (disable_dropout is False)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # an adapter that has moved off B = 0, so that its dropout changes the forward
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator))
+    seen = spy_on_trust_region(trainer)
+    trainer.train()
+    ((mu, pi, mask, _),) = seen
+    gap = (mu - pi).abs()[mask].max()
+    if disable_dropout is None:
+        assert gap <= tiny_model_logprob_atol(tokenizer, mu[mask]), gap
+    else:
+        assert gap > 1e-2  # 1e-2 is far above the rounding bound (1.7e-4) and far below what dropout does here
+
+
+def test_attention_dropout_that_disable_dropout_cannot_reach_is_refused(tmp_path, tokenizer, prompts):
+    """Llama applies `attention_dropout` inside its attention call, where disable_dropout does not reach."""
+    model = build_tiny_model(tokenizer)
+    model.config.attention_dropout = 0.1
+    model.save_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError, match=r"attention_dropout=0.1 .*model_init_kwargs=\{'attention_dropout': 0.0\}"):
+        make_trainer(tmp_path, str(tmp_path / "model"), prompts, tokenizer)
+    trainer = make_trainer(
+        tmp_path, str(tmp_path / "model"), prompts, tokenizer, model_init_kwargs={"attention_dropout": 0.0}
+    )
+    assert trainer.accelerator.unwrap_model(trainer.model).config.attention_dropout == 0.0

@@ -111,11 +111,13 @@ def test_opted_in_vllm_truncation_logs_the_spurious_divergence():
     mu = pi / 0.8  # top_p kept Z = 0.8 of the mass
     mask = torch.tensor([[True, True, False]])
     TrustRegionDiagnostics(stub).record_truncation_gap(mask, mu.log(), pi.log())
-    assert stub._metrics["train"]["truncation/kept_mass_gap"] == [pytest.approx(0.25)]
-    assert stub._metrics["train"]["truncation/spurious_tv_over_delta_fraction"] == [pytest.approx(0.0)]
+    # Rates as (numerator, denominator) over the two loss tokens, which `log` reduces over the window
+    ((gap, tokens),) = stub._metrics["train"]["truncation/kept_mass_gap"]
+    assert tokens == 2 and gap / tokens == pytest.approx(0.25)
+    assert stub._metrics["train"]["truncation/spurious_tv_over_delta_fraction"] == [(0.0, 2.0)]
     pi = torch.tensor([[0.4, 0.1, 0.5]])
     TrustRegionDiagnostics(stub).record_truncation_gap(mask, (pi / 0.5).log(), pi.log())  # Z = 0.5: 0.4 -> 0.8
-    assert stub._metrics["train"]["truncation/spurious_tv_over_delta_fraction"][-1] == pytest.approx(0.5)
+    assert stub._metrics["train"]["truncation/spurious_tv_over_delta_fraction"][-1] == (1.0, 2.0)
 
 
 def test_transformers_generation_options_that_bypass_sampling_are_refused_at_start(

@@ -116,6 +116,19 @@ def test_checkpoint_hooks_where_the_masked_token_counts_are_saved_and_restored()
     assert "self._load_optimizer_and_scheduler(resume_from_checkpoint)" in source(Trainer._prepare_for_training)
 
 
+def test_log_averages_each_window_list_and_logs_none_where_only_nan_is_left():
+    """`log` override: GRPOTrainer's `log` reads the window lists of `self._metrics[mode]` (the mode from
+    `self.model.training`, as the override reads it), logs each list's mean without its NaNs (None when none is left:
+    DPPO's rate over no token) and clears the window. A list of one value, DPPO's reduced window, logs that value."""
+    src = source(GRPOTrainer.log)
+    assert params(DPPOTrainer.log) == params(GRPOTrainer.log) == ["self", "logs", "start_time"]
+    assert 'mode = "train" if self.model.training else "eval"' in src
+    assert "for key, val in self._metrics[mode].items():" in src
+    assert "valid = [v for v in val if not math.isnan(v)]" in src
+    assert "metrics[key] = sum(valid) / len(valid) if valid else None" in src
+    assert "self._metrics[mode].clear()" in src
+
+
 def test_float_lists_carry_record_rows_through_trl():
     """`records.SamplerRecords` tags: TRL only concatenates and slices the per-token floats (tool calls), and builds
     `sampling_per_token_logps` with `torch.tensor` (float32, rounding the tag bits away)."""
@@ -189,6 +202,30 @@ def test_async_policy_versions_move_on_the_main_process_at_each_weight_sync():
     assert "StepIntervalCallback(self._sync_weight, self.args.weight_sync_steps)" in source(AsyncGRPOTrainer.__init__)
     assert "self.model_version += 1" in source(AsyncGRPOTrainer._sync_weight_merged)
     assert "self.model_version = version" in source(AsyncGRPOTrainer._sync_weight_lora)
+
+
+def test_async_log_reduces_pairs_and_words_and_passes_one_value_on():
+    """`AsyncDPPOTrainer.log`: AsyncGRPOTrainer's `log` reduces the window lists of `self._metrics[mode]` (the mode
+    from `self.model.training`) with `_reduce_metric` after dropping NaNs (None when none is left, as GRPOTrainer):
+    pairs as sum over sum, but a count whose name has no `total` word (DPPO's `mismatch/missing_sampler_logps`,
+    `trust_region/ratio_limited_tokens`) as a mean, which is why DPPO reduces its own first. A list of one value logs
+    that value, whatever the key's words."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
+
+    from trl_dppo import AsyncDPPOTrainer
+
+    src = source(AsyncGRPOTrainer.log)
+    assert params(AsyncDPPOTrainer.log) == params(AsyncGRPOTrainer.log) == ["self", "logs", "start_time"]
+    assert 'mode = "train" if self.model.training else "eval"' in src
+    assert "for key, val in self._metrics[mode].items():" in src
+    assert "valid = [v for v in val if isinstance(v, tuple) or not math.isnan(v)]" in src
+    assert "metrics[key] = _reduce_metric(key, valid) if valid else None" in src
+    assert "self._metrics[mode].clear()" in src
+    reduce = async_grpo_trainer._reduce_metric
+    assert reduce("trust_region/masked_fraction", [(1.0, 2.0), (0.0, 0.0), (3.0, 2.0)]) == 1.0
+    assert reduce("mismatch/missing_sampler_logps", [0.0, 2.0]) == 1.0
+    for key in ("staleness/lag_max", "tokens_by_mu/<0.001/total", "trust_region/ratio_limited_tokens"):
+        assert reduce(key, [3.0]) == 3.0, key
 
 
 def test_async_cuda_assumptions_the_trainer_replaces_on_other_devices():

@@ -15,7 +15,15 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the tests need litt
 import pytest
 import torch
 
-from .conftest import PolicyForwardCounter, make_trainer, require_vllm, spy_on_trust_region
+from .conftest import (
+    PolicyForwardCounter,
+    assert_mu_is_the_bf16_samplers,
+    assert_updates_agree,
+    make_trainer,
+    require_vllm,
+    spy_on_trust_region,
+    two_processes_then_one,
+)
 
 
 require_vllm()
@@ -137,3 +145,20 @@ def test_colocated_topk_records_come_from_vllms_flat_output():
     # TRL turns a NaN into None, which carries no row: that token (out of the loss anyway) has an empty kept set
     assert batch["sampler_kept_ids"].tolist() == [[[11, 12, 13], [21, 22, VOID_ID]], [[VOID_ID] * 3] * 2]
     assert batch["sampler_kept_logps"][0, 0].tolist() == [pytest.approx(-0.1), -2.0, -5.0]
+
+
+@pytest.mark.slow
+def test_two_processes_each_with_a_colocated_engine_record_mu_and_make_one_processs_update(vllm_model_dir, tmp_path):
+    """Each process runs its own vLLM engine on its own rows (TRL's colocate mode, tensor parallel 1)."""
+    colocate = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 256}
+    colocate["vllm_gpu_memory_utilization"] = 0.3
+    runs = {
+        f"colocate-{divergence}": {**colocate, "divergence": divergence} for divergence in ("binary_tv", "topk_tv")
+    }
+    two, one = two_processes_then_one(tmp_path, {"model_dir": vllm_model_dir, "runs": runs})
+    for name in runs:
+        assert two[name]["num_processes"] == 2
+        for seen in two[name]["seen"]:
+            ((mu, pi, mask),) = seen  # before the update: the trainer's weights are the engine's
+            assert_mu_is_the_bf16_samplers(mu, pi, mask)
+        assert_updates_agree(two[name]["before"], one[name]["update"], two[name]["update"])

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from .config import TrustRegionArguments, refuse_vllm_truncated_sampling
+from .config import DISABLE_DROPOUT_HELP, TrustRegionArguments, refuse_vllm_truncated_sampling
 from .trust_regions import get_trust_region
 
 
@@ -28,9 +28,15 @@ class AsyncDPPOConfig(TrustRegionArguments, AsyncGRPOConfig):
     a trust region that recomputes its anchor (`minirl`: the trainer runs no pass over a batch before updating on it),
     and truncated or penalised sampling (`top_p` < 1, `top_k` > 0, `min_p` > 0, `repetition_penalty` != 1: vLLM
     reports the log-probabilities after them, which pi = softmax(logits / T) lacks).
+
+    `disable_dropout` (not a field of AsyncGRPOConfig) is GRPOConfig's, on by default as in [`DPPOConfig`]: the
+    trainer zeroes the model's dropout, whose noise would make pi another function than the server's mu.
     """
 
     _VALID_DICT_FIELDS = AsyncGRPOConfig._VALID_DICT_FIELDS + ["trust_region_kwargs"]
+
+    # AsyncGRPOConfig has no such field and AsyncGRPOTrainer leaves dropout on; AsyncDPPOTrainer applies it
+    disable_dropout: bool = field(default=True, metadata={"help": DISABLE_DROPOUT_HELP})
 
     def __post_init__(self):
         self._resolve_trust_region()

@@ -13,6 +13,8 @@ small override (`docs/overrides.md`; `tests/test_upstream_contract.py` pins what
 - `get_train_dataloader`: each batch also carries, per loss term, the policy version that sampled it, so the trust
   region's diagnostics are logged per policy lag (`staleness.py`); `_sync_weight`: every process learns the version
   of the weights it trains (TRL counts versions on the main process).
+- `log`: reduces DPPO's metrics over the logging window by the synchronous trainer's rule (`diagnostics.py`), TRL's
+  own reduction of everything else after it.
 - `__init__`: refuses a server whose log-probabilities are not those it samples from; where TRL's FlashAttention-3
   kernel is not available (no CUDA, or not loadable), uses an exact PyTorch version of TRL's packed tree attention
   (`tree_attention.py`); on a device without CUDA reads no peak-FLOPs figure (TRL reads it through `torch.cuda`) and
@@ -27,17 +29,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import requests
 import torch
 from accelerate.utils import broadcast_object_list
 from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
 from trl.experimental.async_grpo.packing import TREE_ATTENTION
+from trl.trainer.utils import disable_dropout_in_model
 
 from .async_config import AsyncDPPOConfig
-from .diagnostics import RATES, trust_region_sums
+from .diagnostics import RATES, reduce_dppo_metrics, trust_region_sums
 from .divergence import binary_divergence, trust_region_mask
 from .losses import loss_from_weights
+from .server_watch import ServerWatch
 from .staleness import LAG_BUCKETS, LAG_RATES, lag_rate_name, sums_by_lag
-from .trainer import DPPOTrainer
+from .trainer import DPPOTrainer, check_training_dropout
 from .tree_attention import register_tree_attention_without_kernel
 from .trust_regions import TrustRegion, TrustRegionInput, get_trust_region
 from .vllm_server import refuse_unprocessed_logprobs
@@ -125,6 +130,12 @@ def _collate_policy_versions(torch_call: Callable, examples: list) -> dict[str, 
     return batch
 
 
+def _check_worker_and_server(check_health: Callable[[float], None], watch: ServerWatch, stale_after_s: float) -> None:
+    """TRL's health check of its rollout worker (`check_health`), then whether the vLLM server still answers."""
+    check_health(stale_after_s)
+    watch.check()
+
+
 @contextmanager
 def _peak_flops_unknown_without_cuda():
     """Without CUDA, the device's peak FLOPs are unknown: TRL reads them through `torch.cuda.get_device_name`, which
@@ -197,11 +208,19 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
                 "(peft_config, against a server started with --enable-lora) so that each version is published as "
                 "adapter files, or pass a `weight_transfer` of your own."
             )
+        if args.disable_dropout:  # GRPOTrainer's own step, which AsyncGRPOTrainer lacks
+            disable_dropout_in_model(self.model)
+        check_training_dropout(self.model, args.disable_dropout)
         # Registered after TRL's own registration in `super().__init__`, which it replaces
         register_tree_attention_without_kernel(TREE_ATTENTION, self.accelerator.device)
+        # On the main process with TRL's own rollout worker: whether the server it samples from still answers
+        self._server_watch: ServerWatch | None = None
         if rollout_worker is None:  # TRL's worker samples from the server; TRL does not check its log-probabilities
             if self.accelerator.is_main_process:
                 self.vllm_client.wait_for_server_ready()
+                self._server_watch = ServerWatch(
+                    args.vllm_server_base_url, args.heartbeat_stale_after_s, "heartbeat_stale_after_s"
+                )
             refuse_unprocessed_logprobs(
                 self.accelerator, self.vllm_client, args.vllm_server_base_url, SERVER_RESTART_EXAMPLE
             )
@@ -218,10 +237,22 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
         if self.accelerator.is_main_process:  # the main process alone collates; the others receive its batches
             collator = loader.collate_fn
             collator.torch_call = functools.partial(_collate_policy_versions, collator.torch_call)
+            if self._server_watch is not None:
+                # TRL's wait for samples checks the worker's heartbeat, which its scoring loop keeps beating while
+                # generation fails on a dead server (see server_watch.py): it checks the server too
+                dataset = self._rollout_dataset
+                dataset.check_health_fn = functools.partial(
+                    _check_worker_and_server, dataset.check_health_fn, self._server_watch
+                )
         return loader
 
     def _sync_weight(self):
-        super()._sync_weight()
+        try:
+            super()._sync_weight()
+        except requests.ConnectionError as error:  # the server is gone: say so, and how to resume
+            if self._server_watch is not None and not self._server_watch.answers():
+                raise self._server_watch.error() from error
+            raise
         # TRL counts versions on the main process only; every process's loss needs the version for its samples' lag
         self._policy_version = broadcast_object_list([self.model_version], from_process=0)[0]
 
@@ -299,7 +330,7 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
         self, tokens: torch.Tensor, lag: torch.Tensor, diagnostics: dict[str, Any], prob_diff: torch.Tensor
     ) -> dict[str, float]:
         """Sum the diagnostics over processes, overall and by lag bucket, into TRL's metric sink (rates as
-        (numerator, denominator) pairs, which TRL reduces over the logging window); returns the sums."""
+        (numerator, denominator) pairs, reduced over the logging window by `log`); returns the sums."""
         counts = trust_region_sums(tokens, **diagnostics)
         counts.update(sums_by_lag(lag, tokens, **diagnostics))
         counts["missing"] = (~tokens).sum()
@@ -317,13 +348,13 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
         metrics = self._metrics["train"]
 
         def rate(name: str, numerator: str, denominator: str) -> None:
-            if sums[denominator] > 0:  # a rate over no token is left out of the window rather than logged as 0
-                metrics[name].append((sums[numerator], sums[denominator]))
+            # Even over no token: a window whose denominators are all 0 logs None (`diagnostics.reduce_window`)
+            metrics[name].append((sums[numerator], sums[denominator]))
 
         for name, (numerator, denominator) in RATES.items():
             rate(name, numerator, denominator)
         for bucket in LAG_BUCKETS:
-            if sums[lag_rate_name("tokens", bucket)] == 0:  # no sample of this lag in the batch
+            if sums[lag_rate_name("tokens", bucket)] == 0:  # no sample of this lag: the bucket is left out of the log
                 continue
             for name, (numerator, denominator) in LAG_RATES.items():
                 in_bucket = lag_rate_name(denominator, bucket) if denominator else "tokens"
@@ -334,3 +365,10 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
         rate("staleness/lag_mean", "lag", "tokens")
         metrics["staleness/lag_max"].append(lag_max)
         return sums
+
+    # ------------------------------------------------------------------------------------------------ logging
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # TRL reduces pairs as DPPO does but averages counts: DPPO's metrics are reduced by DPPO's one rule first
+        reduce_dppo_metrics(self._metrics["train" if self.model.training else "eval"])
+        super().log(logs, start_time)

@@ -17,6 +17,7 @@ from .trust_regions import SHARED_SETTINGS, TRUST_REGIONS, get_trust_region
 
 __all__ = [
     "DEFAULT_DELTA",
+    "DISABLE_DROPOUT_HELP",
     "DIVERGENCES",
     "DPPOConfig",
     "REMOVED_NAMES",
@@ -40,6 +41,15 @@ VLLM_DISTRIBUTION_NEUTRAL_KWARGS = (
     "detokenize",
     "truncate_prompt_tokens",
     "output_kind",
+)
+# GRPOConfig's `disable_dropout`, on by default for DPPO (`benchmarks/results/dropout_gap/`)
+DISABLE_DROPOUT_HELP = (
+    "Set the p of every torch.nn.Dropout of the model (LoRA's lora_dropout included) to 0, as GRPOConfig's "
+    "disable_dropout does, but on by default (GRPOConfig: off): the sampler generates without dropout, so with dropout "
+    "in the training forward pi and mu are different functions and the noise enters the divergence and pi/mu "
+    "directly. Measured at sync (before any update, fp32): LoRA dropout 0.1 on SmolLM2-135M moves max |pi - mu| from "
+    "9e-6 to 1.6e-2 within 4 steps, growing with the adapter (0.1 on a tiny peaked model). Dropout a model applies outside nn.Dropout modules "
+    "(Llama's attention_dropout) is not reached by this: the trainer refuses it unless disable_dropout=False."
 )
 # Loss types whose only role is normalisation: GRPOTrainer's `cispo`, `sapo` and `vespo` are trust regions of their own.
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -228,6 +238,14 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
             Also log the token counts per sampler-probability bucket (`tokens_by_mu/<bucket>/{total,masked,
             ppo_clipped}`, 18 series), which `trl-dppo plot` draws as `tokens_by_mu.png`. The shipped jobs turn it on.
 
+        > Faults
+
+        vllm_server_stall_timeout (`float`, defaults to `300.0`):
+            Server mode: seconds the vLLM server may go without answering `/health` while a request to it is pending
+            before the run stops with `VLLMServerUnreachableError`, naming the server and how to resume. TRL's client
+            waits without bound on a server that hangs. 300 s is the bound TRL's asynchronous trainer gives its
+            rollout worker (`heartbeat_stale_after_s`, which AsyncDPPOTrainer applies to the server too).
+
     GRPOConfig options that contradict DPPO are off by default here and rejected when set: vLLM's importance-sampling
     correction (it recomputes old log-probabilities, which DPPO does without), GRPO's two-sided ratio clip `delta`,
     sequence-level importance sampling, the loss types that are trust regions of their own (`cispo`, `sapo`,
@@ -237,6 +255,13 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
     elsewhere they warn, since `trl.experimental.dppo` used them as delta_low / delta_high. Names that are gone
     (`REMOVED_NAMES`: trl.experimental.dppo's and trl-dppo 0.1's) raise an error naming what to write instead;
     `from_grpo_config` converts a GRPOConfig.
+
+    GRPOConfig's `disable_dropout` is on by default here (GRPOConfig: off): the sampler generates without dropout, so
+    dropout in the training forward (LoRA's `lora_dropout` included) makes pi and mu different functions of the same
+    weights, and its noise enters D_t and pi/mu directly (measured in `benchmarks/results/dropout_gap/`). Dropout
+    outside `torch.nn.Dropout` modules, which it cannot turn off (Llama's `attention_dropout`), is refused at start.
+    GRPO's KL term (`beta` > 0) is GRPOTrainer's, except with `use_bias_correction_kl=True` on batches reused after an
+    update: GRPOTrainer weights it by pi/pi_old, recomputed, and DPPO recomputes nothing (the ratio reads 1); it warns.
     """
 
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["trust_region_kwargs"]
@@ -265,12 +290,24 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
             "`trl-dppo plot` draws them as tokens_by_mu.png (skipped without them); the shipped jobs turn it on."
         },
     )
+    vllm_server_stall_timeout: float = field(
+        default=300.0,
+        metadata={
+            "help": "Server mode: seconds the vLLM server may go without answering /health while a request to it is "
+            "pending before the run stops with an error naming the server and how to resume (TRL's client waits "
+            "without bound on a hung server). 300 s is TRL's asynchronous trainer's heartbeat_stale_after_s."
+        },
+    )
     vllm_importance_sampling_correction: bool = field(
         default=False,
         metadata={
             "help": "Must stay False: DPPO measures its trust region against the sampler's own log-probabilities, "
             "so GRPO's recomputation pass and importance-sampling correction are not needed."
         },
+    )
+    disable_dropout: bool = field(
+        default=True,
+        metadata={"help": DISABLE_DROPOUT_HELP},
     )
 
     @classmethod
@@ -279,15 +316,26 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
         on top.
 
         Every GRPOConfig setting of `config` carries over except the ones DPPO replaces: vLLM's importance-sampling
-        correction (off: DPPO runs no recomputation to correct), and `generation_batch_size`, which GRPOConfig derived
-        from `steps_per_generation` or the other way round (the step count is kept). Settings that contradict DPPO
-        (GRPO's two-sided clip `delta` among them) raise DPPOConfig's errors.
+        correction (off: DPPO runs no recomputation to correct), `generation_batch_size`, which GRPOConfig derived
+        from `steps_per_generation` or the other way round (the step count is kept), and a setting DPPOConfig defaults
+        otherwise that `config` leaves at GRPOConfig's default: `disable_dropout=False` (GRPOConfig's default) becomes
+        DPPOConfig's True, as a GRPOConfig cannot say whether False was chosen; pass `disable_dropout=False` here to
+        keep dropout. Settings that contradict DPPO (GRPO's two-sided clip `delta` among them) raise DPPOConfig's
+        errors.
         """
         if not isinstance(config, GRPOConfig):
             raise TypeError(f"from_grpo_config takes a GRPOConfig, got {type(config).__name__}.")
         replaced = {"vllm_importance_sampling_correction", "generation_batch_size"}
+        grpo_defaults = {f.name: f.default for f in fields(GRPOConfig)}
+        own_defaults = {f.name: f.default for f in fields(cls)}
         # Read the attributes, not to_dict(): that one writes tokens as placeholders and enums as strings
-        settings = {f.name: getattr(config, f.name) for f in fields(GRPOConfig) if f.init and f.name not in replaced}
+        settings = {
+            f.name: getattr(config, f.name)
+            for f in fields(GRPOConfig)
+            if f.init
+            and f.name not in replaced
+            and not (own_defaults[f.name] != grpo_defaults[f.name] == getattr(config, f.name))
+        }
         return cls(**{**settings, **dppo_fields})
 
     @property
@@ -307,6 +355,10 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
             isinstance(self.divergence_topk, int) and self.divergence_topk >= 1
         ):
             raise ValueError(f"divergence_topk must be a positive integer, got {self.divergence_topk!r}.")
+        if not self.vllm_server_stall_timeout > 0:
+            raise ValueError(
+                f"vllm_server_stall_timeout must be a positive number of seconds, got {self.vllm_server_stall_timeout!r}."
+            )
         if self.vllm_importance_sampling_correction:
             raise ValueError(
                 "vllm_importance_sampling_correction=True recomputes old log-probabilities and reweights by "
@@ -340,6 +392,21 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
             )
         super().__post_init__()  # parses `trust_region_kwargs` given as a JSON string
         self.trust_region_settings  # a bad or missing setting fails here, not at the first step  # noqa: B018
+        # GRPOTrainer's condition for recomputing old log-probabilities: a batch reaches the loss after an update
+        reused = self.gradient_accumulation_steps % (self.steps_per_generation * self.num_iterations) != 0
+        if self.beta != 0.0 and self.use_bias_correction_kl and reused:
+            warnings.warn(
+                f"beta={self.beta} with use_bias_correction_kl=True on batches reused after an update "
+                f"(num_iterations={self.num_iterations}, steps_per_generation={self.steps_per_generation}, "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}): GRPOTrainer multiplies the KL term "
+                "by pi/pi_old, with pi_old recomputed for such batches; DPPO recomputes no old log-probabilities (its "
+                "anchor is the sampler's mu), so there the ratio reads 1 and the KL term is the on-policy one (value "
+                "k3 at pi, gradient grad k3 + k3 grad log pi) without the correction for the updates since the batch "
+                "was sampled. Set use_bias_correction_kl=False for GRPOTrainer's uncorrected KL term exactly, or "
+                "num_iterations=1 with gradient_accumulation_steps a multiple of steps_per_generation.",
+                UserWarning,
+                stacklevel=3,
+            )
         if self.use_vllm and not self.vllm_allow_truncated_sampling:
             refuse_vllm_truncated_sampling(
                 self,

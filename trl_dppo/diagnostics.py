@@ -16,6 +16,10 @@ The metrics (see docs/metrics.md):
   without a sampler log-probability, taken out of the loss.
 - `diagnostics/*`: the paper's "bad updates" (A < 0 and mu_base - pi >= 0.5) and how many PPO's clip and DPPO's mask
   would block; `tokens_by_mu/*` (with `log_tokens_by_mu`): counts by the sampler's probability.
+
+Over a logging window every rate is the window's numerator over its denominator, every maximum the window's and every
+count the window's total (`reduce_window`): each loss logs a rate as a (numerator, denominator) pair, and both trainers'
+`log` reduce DPPO's window lists (`reduce_dppo_metrics`) before TRL's `log`, which would average them.
 """
 
 from __future__ import annotations
@@ -32,12 +36,17 @@ from .losses import LOG_RATIO_LIMIT, ratio_clip_keep
 
 
 __all__ = [
+    "COUNTS",
+    "MAXIMA",
+    "METRIC_PREFIXES",
     "MU_BUCKETS",
     "MU_BUCKET_EDGES",
     "RATES",
     "TrustRegionDiagnostics",
     "gather_sums",
     "metrics_from_sums",
+    "reduce_dppo_metrics",
+    "reduce_window",
     "trust_region_sums",
 ]
 
@@ -59,6 +68,12 @@ RATES = {
     "diagnostics/bad_updates_blocked_by_ppo_clip": ("bad_ppo_clipped", "bad"),
     "diagnostics/bad_updates_blocked_by_dppo_mask": ("bad_dppo_masked", "bad"),
 }
+# The metrics of both trainers' diagnostics (and of `staleness.py`), which `reduce_dppo_metrics` reduces; TRL logs none
+METRIC_PREFIXES = ("trust_region/", "mismatch/", "diagnostics/", "tokens_by_mu/", "staleness/", "truncation/")
+# Of those, the maxima (the window's largest) and the counts (the window's total; also every `tokens_by_mu/*`); every
+# other one is a rate, logged as a (numerator, denominator) pair
+MAXIMA = frozenset({"mismatch/abs_prob_diff_max", "mismatch/at_sync_abs_prob_diff_max", "staleness/lag_max"})
+COUNTS = frozenset({"trust_region/ratio_limited_tokens", "mismatch/missing_sampler_logps"})
 
 
 @torch.no_grad()
@@ -117,13 +132,36 @@ def trust_region_sums(
     return sums
 
 
-def metrics_from_sums(sums: dict[str, float]) -> dict[str, float]:
-    """The logged metrics of `trust_region_sums` added up over processes: the rates of `RATES` (0 over no token), the
-    count of ratio-limited tokens and the `tokens_by_mu/*` counts."""
-    metrics = {name: sums[num] / max(sums[den], 1.0) for name, (num, den) in RATES.items()}
+def metrics_from_sums(sums: dict[str, float]) -> dict[str, float | tuple[float, float]]:
+    """The logged metrics of `trust_region_sums` added up over processes: the rates of `RATES` as (numerator,
+    denominator) pairs, the count of ratio-limited tokens and the `tokens_by_mu/*` counts."""
+    metrics: dict[str, float | tuple[float, float]] = {
+        name: (sums[num], sums[den]) for name, (num, den) in RATES.items()
+    }
     metrics["trust_region/ratio_limited_tokens"] = sums["ratio_limited"]
     metrics.update({name: value for name, value in sums.items() if name.startswith("tokens_by_mu/")})
     return metrics
+
+
+def reduce_window(name: str, values: list) -> float:
+    """One logging window's values of DPPO's metric `name` as the number logged: a maximum's largest value, a count's
+    total, and a rate's summed numerators over its summed denominators, NaN over no token (which TRL's `log` filters
+    out, logging None, rather than 0, which would read as "nothing blocked")."""
+    if name in MAXIMA:
+        return max(values)
+    if name in COUNTS or name.startswith("tokens_by_mu/"):
+        return sum(values)
+    numerator, denominator = (sum(part) for part in zip(*values, strict=True))
+    return numerator / denominator if denominator else float("nan")
+
+
+def reduce_dppo_metrics(metrics: dict[str, list]) -> None:
+    """Replace each of DPPO's window lists in `metrics` (a trainer's `_metrics[mode]`) by `[reduce_window(...)]`, which
+    TRL's `log` passes on as it is: it averages a list, or picks its extremum or total, and a list of one value is that
+    value."""
+    for name, values in metrics.items():
+        if name.startswith(METRIC_PREFIXES) and values:
+            metrics[name] = [reduce_window(name, values)]
 
 
 def gather_sums(accelerator, sums: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -167,8 +205,9 @@ class TrustRegionDiagnostics:
         settings = self.trainer.epsilon_low, self.trainer.epsilon_high
         advantages = advantages.expand_as(mask)
         masked = ~keep & mask
-        for sign, side in (("positive", advantages > 0), ("negative", advantages < 0)):
-            self.masked_token_counts[sign].update(completion_ids[masked & side].tolist())
+        if mode == "train":  # the counts are training state, carried by checkpoints: evaluation adds nothing to them
+            for sign, side in (("positive", advantages > 0), ("negative", advantages < 0)):
+                self.masked_token_counts[sign].update(completion_ids[masked & side].tolist())
         sums = trust_region_sums(
             mask,
             keep,
@@ -204,8 +243,8 @@ class TrustRegionDiagnostics:
             {"gap": torch.where(mask, mu / pi - 1, 0.0).sum(), "over": over.sum(), "tokens": mask.sum()},
         )
         metrics = self.trainer._metrics["train"]
-        metrics["truncation/kept_mass_gap"].append(sums["gap"] / max(sums["tokens"], 1.0))
-        metrics["truncation/spurious_tv_over_delta_fraction"].append(sums["over"] / max(sums["tokens"], 1.0))
+        metrics["truncation/kept_mass_gap"].append((sums["gap"], sums["tokens"]))
+        metrics["truncation/spurious_tv_over_delta_fraction"].append((sums["over"], sums["tokens"]))
 
     # --------------------------------------------------------------------------------------- masked-token counts
 

@@ -36,6 +36,7 @@ from .records import VOID_ID, SamplerRecords, complete_kept_sets_, runs_of_seque
 __all__ = [
     "SamplerLogprobRecorder",
     "check_recordable_sampling",
+    "checking_rollout_logprobs",
     "recording_generate",
     "record_vllm_flat_logprobs",
     "record_vllm_logprobs",
@@ -80,6 +81,38 @@ def check_recordable_sampling(generation_config: GenerationConfig, **generate_kw
     mode = generation_config.get_generation_mode()
     if mode != GenerationMode.SAMPLE:
         raise ValueError(f"The generation config selects {mode}; DPPO records mu only for plain sampling ('sample').")
+
+
+def checking_rollout_logprobs(rollout_func: Callable) -> Callable:
+    """Wrap a `rollout_func` so that its output stops the batch unless each completion has one log-probability per
+    token.
+
+    GRPOTrainer pads a short list with 0.0, which reads as mu = 1 on the missing tokens, and a binary divergence has no
+    records to check the floats against (`records.py`), so a list of the wrong length would silently move the trust
+    region's anchor. A missing `logprobs` is left to the trainer's own error.
+    """
+
+    @functools.wraps(rollout_func)
+    def wrapped(prompts, trainer):
+        output = rollout_func(prompts, trainer)
+        completion_ids, logprobs = output.get("completion_ids"), output.get("logprobs")
+        if completion_ids is None or logprobs is None:
+            return output
+        if len(logprobs) != len(completion_ids):
+            raise ValueError(
+                f"The rollout_func returned {len(completion_ids)} completions but {len(logprobs)} log-probability "
+                "lists under 'logprobs': DPPO needs one list per completion, with log mu of each of its tokens."
+            )
+        for index, (ids, logps) in enumerate(zip(completion_ids, logprobs, strict=True)):
+            if len(logps) != len(ids):
+                raise ValueError(
+                    f"The rollout_func returned {len(logps)} log-probabilities for completion {index} of the batch, "
+                    f"which has {len(ids)} tokens: DPPO needs log mu of each completion token, one for one (TRL would "
+                    "pad a short list with 0.0, i.e. mu = 1, and misplace the trust region's anchor)."
+                )
+        return output
+
+    return wrapped
 
 
 class _Hook(LogitsProcessor):

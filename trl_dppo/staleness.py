@@ -2,7 +2,9 @@
 
 `sums_by_lag` splits `diagnostics.trust_region_sums` (what the trust region did and how far pi is from mu, as sums
 over the loss tokens) by how many policy versions a sample's sampler lags the trainer (0, 1, 2, 3 and more), which
-`AsyncDPPOTrainer` logs as `<metric>_lag_<bucket>`: a user sees the trust region tighten as samples age.
+`AsyncDPPOTrainer` logs as `<metric>_lag_<bucket>`: a user sees the trust region tighten as samples age. A version is
+a weight sync (TRL's `model_version`, one every `weight_sync_steps` updates): with `weight_sync_steps` > 1, lag 0
+holds samples up to `weight_sync_steps` - 1 updates behind the trainer (docs/async.md).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ in one small override:
   out of the loss.
 
 What the trainer logs about its trust region (metrics, masked-token counts) is `diagnostics.py`'s, called once per
-loss; checkpoints carry the masked-token counts through `_save_checkpoint` / `_load_optimizer_and_scheduler`.
+loss; checkpoints carry the masked-token counts through `_save_checkpoint` / `_load_optimizer_and_scheduler`, and
+`log` reduces its metrics over the logging window (rates as sums over sums, maxima, totals) before GRPOTrainer's.
 
 Two objects carry state between calls, each set and cleared in one place: the generation batch's `SamplerRecords`
 (`_sampler_records`, while `_generate_and_score_completions` runs: its presence also says "scoring") and the
@@ -37,6 +38,7 @@ from __future__ import annotations
 import functools
 import os
 import textwrap
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,17 +52,19 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 
 from .config import DPPOConfig
-from .diagnostics import TrustRegionDiagnostics
+from .diagnostics import TrustRegionDiagnostics, reduce_dppo_metrics
 from .divergence import binary_divergence, topk_divergence, trust_region_mask
 from .records import MissingRecordsError, SamplerRecords
 from .rollout import (
     SamplerLogprobRecorder,
     check_recordable_sampling,
+    checking_rollout_logprobs,
     record_vllm_flat_logprobs,
     record_vllm_logprobs,
     recording_generate,
     sync_weights_in_place,
 )
+from .server_watch import ServerWatch
 from .topk import check_topk_sharding, check_topk_support, lm_head_kept_logps
 from .trust_regions import TrustRegionInput, get_trust_region
 from .vllm_server import refuse_unprocessed_logprobs
@@ -72,7 +76,7 @@ if TYPE_CHECKING:
     from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
     from trl.trainer.grpo_trainer import EnvironmentFactory, RewardFunc, RolloutFunc
 
-__all__ = ["DPPOTrainer"]
+__all__ = ["DPPOTrainer", "check_training_dropout"]
 
 # The server `trl vllm-serve` starts, for the error that refuses a server with other log-probabilities
 SERVER_RESTART_EXAMPLE = (
@@ -80,6 +84,32 @@ SERVER_RESTART_EXAMPLE = (
     """--weight-transfer-config '{{"backend": "nccl"}}'\n\n"""
     "(`trl vllm-serve --model {model}` starts the same server with these flags)."
 )
+
+
+def check_training_dropout(model: torch.nn.Module, disable_dropout: bool) -> None:
+    """Refuse dropout that `disable_dropout` cannot turn off, and warn about dropout kept on with it: the sampler
+    generates without dropout, so with dropout in the training forward pi and mu are different functions of the same
+    weights (`benchmarks/results/dropout_gap/`)."""
+    # Llama-style attention applies it as an argument of the attention kernel, not through a torch.nn.Dropout
+    attention_dropout = getattr(model.config, "attention_dropout", 0.0) or 0.0
+    if disable_dropout and attention_dropout > 0:
+        raise ValueError(
+            f"The model's attention_dropout={attention_dropout} applies in the training forward but not in the "
+            "sampler's, and disable_dropout (which zeroes torch.nn.Dropout modules) does not reach it: pi and mu "
+            "would be different functions (attention_dropout=0.1 put max |pi - mu| at 0.18 before any update on a "
+            "tiny Llama, above delta=0.15). Load the model with attention_dropout=0.0 (for a model given by name: "
+            "model_init_kwargs={'attention_dropout': 0.0}), or set disable_dropout=False to train with it anyway."
+        )
+    active = any(isinstance(module, torch.nn.Dropout) and module.p > 0 for module in model.modules())
+    if not disable_dropout and (active or attention_dropout > 0):
+        warnings.warn(
+            "disable_dropout=False with dropout in the model (LoRA's lora_dropout counts): the training forward is "
+            "noisy while the sampler's was not, and the noise enters the trust region's divergence and pi/mu "
+            "directly (lora_dropout=0.1 put max |pi - mu| at 1.6e-2 before any update within 4 steps on SmolLM2-135M). "
+            "Leave disable_dropout at its default (True) unless you mean it.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 @dataclass(frozen=True)
@@ -164,6 +194,7 @@ class DPPOTrainer(GRPOTrainer):
             rollout_func=rollout_func,
             environment_factory=environment_factory,
         )
+        check_training_dropout(self.model, args.disable_dropout)  # after GRPOTrainer's `disable_dropout`
         self.trust_region = get_trust_region(args.trust_region)
         self.trust_region_settings = args.trust_region_settings
         if args.recorded_topk:
@@ -183,6 +214,8 @@ class DPPOTrainer(GRPOTrainer):
         self._sampler_records: SamplerRecords | None = None
         self.diagnostics = TrustRegionDiagnostics(self)
         self.add_callback(self.diagnostics.callback())
+        if self.rollout_func is not None:
+            self.rollout_func = checking_rollout_logprobs(self.rollout_func)
         if self.use_vllm:
             self._wrap_vllm_backend()
         elif self.rollout_func is None:
@@ -194,9 +227,12 @@ class DPPOTrainer(GRPOTrainer):
         """Record mu (and the top-K) from vLLM's output, and sync weights in place on vLLM's CPU backend."""
         backend = self.vllm_generation
         if backend.mode == "server":  # TRL checks the mode only with `vllm_importance_sampling_correction`
-            refuse_unprocessed_logprobs(
-                self.accelerator, backend.vllm_client, backend.vllm_client.base_url, SERVER_RESTART_EXAMPLE
-            )
+            # TRL creates the server's client on the main process only
+            client = backend.vllm_client if self.accelerator.is_main_process else None
+            refuse_unprocessed_logprobs(self.accelerator, client, client and client.base_url, SERVER_RESTART_EXAMPLE)
+            if client is not None:  # TRL's requests to the server have no timeout: each waits while the server answers
+                watch = ServerWatch(client.base_url, self.args.vllm_server_stall_timeout, "vllm_server_stall_timeout")
+                client.session.request = functools.partial(watch.call, client.session.request)
         topk = self.args.recorded_topk
         topk_in_lists = topk
         if topk:
@@ -261,6 +297,10 @@ class DPPOTrainer(GRPOTrainer):
             except MissingRecordsError as error:
                 raise MissingRecordsError(f"{error} Generation path: {self._generation_path()}.") from None
             output.update(records)
+            # GRPOTrainer's `dapo` normaliser counts the generation batch's loss tokens over all processes; those
+            # without a sampler log-probability leave the loss (`_compute_loss`), so they leave the count too
+            missing = self.accelerator.gather(self._missing_sampler_logps(output).sum()).sum()
+            output["num_items_in_batch"] = output["num_items_in_batch"] - missing
         finally:
             self._sampler_records = None
         return output
@@ -321,12 +361,7 @@ class DPPOTrainer(GRPOTrainer):
         # GRPOTrainer reuses a buffered batch over `num_iterations` passes, so work on a shallow copy
         inputs = dict(inputs)
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
-        missing = ~torch.isfinite(inputs["sampling_per_token_logps"])
-        if self.args.recorded_topk:
-            missing |= torch.isnan(inputs["sampler_kept_logps"]).any(-1)
-        if "sampler_base_logps" in inputs:
-            missing |= ~torch.isfinite(inputs["sampler_base_logps"])
-        missing &= mask.bool()
+        missing = self._missing_sampler_logps(inputs)
         if missing.any():  # `tool_mask` only masks the loss, so this takes the tokens out without touching attention
             inputs["tool_mask"] = inputs.get("tool_mask", torch.ones_like(mask)) * (~missing).long()
         # Only a trust region that recomputes its anchor (minirl) has them; GRPOTrainer's loss must see none, so its
@@ -334,6 +369,16 @@ class DPPOTrainer(GRPOTrainer):
         anchor_logps = inputs.pop("old_per_token_logps", None)
         with self._computing_loss(_LossContext(inputs, anchor_logps, missing.sum())):
             return super()._compute_loss(model, inputs)
+
+    def _missing_sampler_logps(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """The loss tokens of `inputs` without a sampler log-probability (or without its records): they leave the
+        loss."""
+        missing = ~torch.isfinite(inputs["sampling_per_token_logps"])
+        if self.args.recorded_topk:
+            missing |= torch.isnan(inputs["sampler_kept_logps"]).any(-1)
+        if "sampler_base_logps" in inputs:
+            missing |= ~torch.isfinite(inputs["sampler_base_logps"])
+        return missing & (inputs["completion_mask"] * inputs.get("tool_mask", 1)).bool()
 
     @contextmanager
     def _computing_loss(self, context: _LossContext):
@@ -419,3 +464,10 @@ class DPPOTrainer(GRPOTrainer):
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)  # called only when resuming, with the checkpoint's path
         self.diagnostics.load_counts(checkpoint)
+
+    # ------------------------------------------------------------------------------------------------ logging
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # GRPOTrainer logs each metric's window mean: DPPO's rates are pairs to sum, its maxima and counts no means
+        reduce_dppo_metrics(self._metrics["train" if self.model.training else "eval"])
+        super().log(logs, start_time)

@@ -13,19 +13,20 @@ from accelerate.utils import broadcast_object_list
 __all__ = ["refuse_unprocessed_logprobs"]
 
 
-def refuse_unprocessed_logprobs(accelerator, client: Any, url: str, restart_example: str) -> None:
+def refuse_unprocessed_logprobs(accelerator, client: Any | None, url: str | None, restart_example: str) -> None:
     """Refuse a vLLM server that returns other log-probabilities than those of the distribution it samples from.
 
     The main process reads the server's `--logprobs-mode` through `client.get_server_info()` (TRL's `VLLMClient`, sync
     or async: both return vLLM's resolved config) and every process raises on anything but `processed_logprobs`.
+    `client` and its `url` are read on the main process only: TRL creates its clients there alone.
     `restart_example` is the command line to suggest, with `{model}` where the served model goes.
     """
     config = [None]
     if accelerator.is_main_process:
         model_config = client.get_server_info()["model_config"]
-        config = [(model_config["logprobs_mode"], model_config["model"])]
+        config = [(model_config["logprobs_mode"], model_config["model"], url)]
     broadcast_object_list(config, from_process=0)
-    mode, model = config[0]
+    mode, model, url = config[0]
     if mode != "processed_logprobs":
         raise ValueError(
             f"The vLLM server at {url} runs with `--logprobs-mode {mode}`: its log-probabilities are not those of "

@@ -20,7 +20,7 @@ from pathlib import Path
 import requests
 
 
-__all__ = ["api_server_command", "free_loopback_port", "running_server"]
+__all__ = ["LocalServer", "api_server_command", "free_loopback_port", "running_server"]
 
 STARTUP_TIMEOUT_S = 600  # about 1 minute alone on 2 cores
 # The environment every server runs in: the development endpoints TRL uses, a small KV cache on a shared CPU machine
@@ -38,32 +38,56 @@ def api_server_command(model: str, options: list[str]) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *options]
 
 
+class LocalServer:
+    """A server process started from `command` on 127.0.0.1:`port`, answering once constructed; `timeout` stops it
+    after `lifetime_s` if its owner failed to."""
+
+    def __init__(
+        self, command: list[str], port: int, log_path: Path, env: dict[str, str] | None = None, lifetime_s: int = 1800
+    ):
+        env = {**os.environ, **SERVER_ENV, **(env or {})}
+        command = ["timeout", "--kill-after=30", str(lifetime_s), *command]
+        with open(log_path, "w") as log:
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not _healthy(self.url):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"the vLLM server did not start; its log ends with:\n{log_path.read_text()[-3000:]}"
+                )
+            time.sleep(1)
+
+    def send_signal(self, signum: int) -> None:
+        """Signal the server and its engine process (SIGKILL, or SIGSTOP to make it hang)."""
+        os.killpg(self.process.pid, signum)
+
+    def stop(self) -> None:
+        if self.process.poll() is not None:
+            return
+        self.send_signal(signal.SIGCONT)  # a stopped server handles SIGTERM once it runs again
+        self.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.send_signal(signal.SIGKILL)
+            self.process.wait()
+
+
 @contextmanager
 def running_server(
     command: list[str], port: int, log_path: Path, env: dict[str, str] | None = None, lifetime_s: int = 1800
 ) -> Iterator[str]:
     """Start `command` (a server on 127.0.0.1:`port`), yield its URL once it answers, and stop it afterwards; `timeout`
     stops it after `lifetime_s` if its caller failed to."""
-    env = {**os.environ, **SERVER_ENV, **(env or {})}
-    command = ["timeout", "--kill-after=30", str(lifetime_s), *command]
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    server = LocalServer(command, port, log_path, env, lifetime_s)
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _healthy(url):
-            if server.poll() is not None or time.monotonic() > deadline:
-                log_tail = log_path.read_text()[-3000:]
-                raise RuntimeError(f"the vLLM server did not start; its log ends with:\n{log_tail}")
-            time.sleep(1)
-        yield url
+        yield server.url
     finally:
-        os.killpg(server.pid, signal.SIGTERM)  # the server and its engine process
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        server.stop()
 
 
 def _healthy(url: str) -> bool:

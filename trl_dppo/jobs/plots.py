@@ -215,7 +215,7 @@ def plot_tokens_by_mu(history: LogHistory, path: Path) -> Path | None:
     ax_counts.set(
         title="Tokens per sampler-probability bucket",
         xlabel=r"sampler probability $\mu$ of the sampled token",
-        ylabel="tokens per micro-batch (run mean, symlog)",
+        ylabel="tokens per logging step (run mean, symlog)",
     )
     for label, values, color, offset in bars[1:]:
         fractions = [v / t if t > 0 else 0.0 for v, t in zip(values, total, strict=True)]

@@ -1,0 +1,79 @@
+"""Trains AsyncDPPOTrainer (SmolLM2 + LoRA, learning rate 0) against a vLLM server under whatever launched it and
+saves, per process, each loss computation's (pi, mu) of its loss terms: tests/test_async.py checks that with two
+training processes both train on the server's records.
+
+    python tests/async_launch_worker.py SERVER_URL OUT_FILE
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+
+from trl_dppo import AsyncDPPOConfig, AsyncDPPOTrainer
+from trl_dppo.jobs.default_model import default_model_path, smollm2_tokenizer
+
+
+SAMPLES_PER_STEP = 4  # per process
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c[0]["content"]) % 5) for c in completions]
+
+
+def main(url: str, out_file: str) -> None:
+    torch.set_num_threads(1)
+    args = AsyncDPPOConfig(
+        output_dir=f"{out_file}.run",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        vllm_server_base_url=url,
+        per_device_train_batch_size=SAMPLES_PER_STEP,
+        num_generations=4,
+        max_completion_length=12,
+        temperature=0.7,
+        token_budget=0,
+        max_staleness=3,
+        learning_rate=0.0,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        seed=0,
+    )
+    trainer = AsyncDPPOTrainer(
+        model=default_model_path(),
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=Dataset.from_dict(
+            {"prompt": [[{"role": "user", "content": f"Count to {i}."}] for i in range(64)]}
+        ),
+        processing_class=smollm2_tokenizer(),
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )
+    seen = []
+    trust_region_loss = trainer._trust_region_loss
+
+    def spy(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens):
+        seen.append((trainer_logps.detach().clone(), sampler_logps.clone(), missing.clone()))
+        return trust_region_loss(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens)
+
+    trainer._trust_region_loss = spy
+    trainer.train()
+    torch.save(
+        {"num_processes": trainer.accelerator.num_processes, "seen": seen}, f"{out_file}.rank{os.environ['RANK']}"
+    )
+    if torch.distributed.is_initialized():  # else gloo can abort at exit after a good run (pytorch/pytorch#190489)
+        gc.collect()
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

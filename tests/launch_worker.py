@@ -1,0 +1,207 @@
+"""Trains DPPOTrainer for one optimizer step under whatever launched it (python, or `accelerate launch` with N
+processes), on real generation, and saves what each process saw: tests/test_launch_matrix.py checks mu on every
+process and compares the update with one process's on the same global batch.
+
+    python tests/launch_worker.py SPEC_FILE OUT_FILE
+
+SPEC_FILE (JSON) holds `model_dir`, `runs` (name -> DPPOConfig overrides: the generation backend and the divergence)
+and, with `replay`, the path of an earlier run's results: then every run trains on that run's global generation batch
+in one process instead of generating (`_generate_and_score_completions` returns it), which is one process's update
+of the same batch. The main process saves, per run: each process's (mu, pi, loss mask) from the loss, the global
+generation batch (the processes' rows in process order), the trainable parameters before the step and the update.
+With `expect_error`, each process instead saves the error its trainer raised at start (`OUT_FILE.rank<i>`).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+
+import torch
+from accelerate.utils import gather_object
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import set_seed
+
+from trl_dppo import DPPOConfig, DPPOTrainer
+from trl_dppo.jobs.default_model import smollm2_tokenizer
+
+
+GLOBAL_ROWS = 8  # completions per optimizer step over all processes: 2 prompts x 4 generations
+# Prompts of one token length, so the processes' rows share one prompt width and stack without extra padding
+PROMPTS = [[{"role": "user", "content": f"Count to {i} and stop."}] for i in range(10, 74)]
+# Keys padded on the right along the completion (value: the padding), and on the left along the prompt
+COMPLETION_PADDING = {
+    "completion_ids": 0,
+    "completion_mask": 0,
+    "tool_mask": 0,
+    "sampling_per_token_logps": 0.0,
+    "sampler_base_logps": 0.0,
+    "sampler_kept_ids": -1,
+    "sampler_kept_logps": -float("inf"),
+}
+PROMPT_KEYS = ("prompt_ids", "prompt_mask")
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c[0]["content"]) % 5) for c in completions]
+
+
+def config(output_dir: str, world: int, settings: dict) -> DPPOConfig:
+    return DPPOConfig(
+        **{
+            "output_dir": output_dir,
+            "report_to": "none",
+            "use_cpu": True,
+            "bf16": False,
+            "per_device_train_batch_size": GLOBAL_ROWS // world,
+            "num_generations": 4,
+            "max_completion_length": 12,
+            "temperature": 0.7,
+            "max_steps": 1,
+            "logging_steps": 1,
+            # SGD: the update is -lr x gradient, so any difference in the gradient's scale shows (Adam would hide it)
+            "optim": "sgd",
+            "learning_rate": 0.2,
+            "lr_scheduler_type": "constant",
+            "max_grad_norm": 0.0,
+            "save_strategy": "no",
+            "seed": 0,
+            "divergence_topk": 5,
+            **settings,
+        }
+    )
+
+
+def stack_rows(batches: list[dict]) -> dict:
+    """The processes' generation batches as one batch, rows in process order."""
+    widths = {key: max(b[key].size(1) for b in batches) for key in COMPLETION_PADDING if key in batches[0]}
+    stacked = {}
+    for key, first in batches[0].items():
+        if not isinstance(first, torch.Tensor) or first.dim() == 0:
+            stacked[key] = first  # num_items_in_batch: already the global count
+        elif key in widths:
+            pad = [
+                torch.nn.functional.pad(
+                    b[key],
+                    (0, 0) * (b[key].dim() - 2) + (0, widths[key] - b[key].size(1)),
+                    value=COMPLETION_PADDING[key],
+                )
+                for b in batches
+            ]
+            stacked[key] = torch.cat(pad)
+        else:
+            if key in PROMPT_KEYS and len({b[key].size(1) for b in batches}) > 1:
+                raise ValueError("the processes' prompts differ in length: use prompts of one token length")
+            stacked[key] = torch.cat([b[key] for b in batches])
+    return stacked
+
+
+def train(name: str, settings: dict, spec: dict, out_file: str) -> dict:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    set_seed(0)  # the LoRA initialisation
+    replay = spec.get("replay")
+    if replay:  # no generation: one process trains the recorded global batch
+        settings = {key: value for key, value in settings.items() if not key.startswith("vllm") and key != "use_vllm"}
+    trainer = DPPOTrainer(
+        model=spec["model_dir"],
+        reward_funcs=length_reward,
+        args=config(f"{out_file}.runs/{name}", world, settings),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=smollm2_tokenizer(),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )
+    assert trainer.accelerator.num_processes == world, f"{world} processes launched"
+    generated = []
+    if replay:
+        batch = torch.load(replay)[name]["batch"]
+        trainer._generate_and_score_completions = lambda inputs: dict(batch)
+    else:
+        generate = trainer._generate_and_score_completions
+
+        def recording(inputs):
+            output = generate(inputs)
+            generated.append({k: v.cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in output.items()})
+            return output
+
+        trainer._generate_and_score_completions = recording
+    seen = []
+    set_advantages = trainer._set_trust_region_advantages
+
+    def spy(context, trainer_logps, hidden):
+        inputs = context.inputs
+        mask = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).bool()
+        seen.append((inputs["sampling_per_token_logps"].clone(), trainer_logps.clone(), mask))
+        return set_advantages(context, trainer_logps, hidden)
+
+    trainer._set_trust_region_advantages = spy
+    trainable = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    before = {n: p.detach().clone() for n, p in trainable.items()}
+    trainer.train()
+    by_process = gather_object([{"seen": seen, "generated": generated}])
+    return {
+        "num_processes": trainer.accelerator.num_processes,
+        "seen": [process["seen"] for process in by_process],
+        "batch": None if replay else stack_rows([process["generated"][0] for process in by_process]),
+        "before": before,
+        "update": {n: p.detach() - before[n] for n, p in trainable.items()},
+        "logs": [entry for entry in trainer.state.log_history if "loss" in entry],
+    }
+
+
+def start_error(settings: dict, spec: dict, out_file: str) -> str:
+    """The error the trainer raises at start on this process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        DPPOTrainer(
+            model=spec["model_dir"],
+            reward_funcs=length_reward,
+            args=config(f"{out_file}.runs/refused", world, settings),
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+            processing_class=smollm2_tokenizer(),
+        )
+    except Exception as error:  # noqa: BLE001  (the test reads which error each process raised)
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def skip_nccl_weight_transfer() -> None:
+    """TRL's weight transfer to a server runs on NCCL and needs CUDA: only its two client calls are skipped (one
+    optimizer step from one generation never needs the server to hold the updated weights)."""
+    from trl.generation.vllm_client import VLLMClient
+
+    def drain(self, metadata, named_params):  # walk the weights as the broadcast would (PEFT merges and unmerges)
+        for _ in named_params:
+            pass
+
+    VLLMClient.init_communicator = lambda self, device=0: None
+    VLLMClient.update_named_params = drain
+
+
+def main(spec_file: str, out_file: str) -> None:
+    torch.set_num_threads(1)
+    with open(spec_file) as f:
+        spec = json.load(f)
+    if spec.get("server"):
+        skip_nccl_weight_transfer()
+    rank = int(os.environ.get("RANK", "0"))
+    if spec.get("expect_error"):
+        with open(f"{out_file}.rank{rank}", "w") as f:
+            f.write(start_error(spec["expect_error"], spec, out_file))
+        return
+    results = {name: train(name, settings, spec, out_file) for name, settings in spec["runs"].items()}
+    if rank == 0:
+        torch.save(results, out_file)
+    colocated = any(settings.get("vllm_mode") == "colocate" for settings in spec["runs"].values())
+    # else gloo can abort at exit after a good run (pytorch/pytorch#190489); a colocated vLLM engine destroys the
+    # process group itself when it shuts down at exit, and fails if it is gone already
+    if torch.distributed.is_initialized() and not colocated:
+        gc.collect()
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

