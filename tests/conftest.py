@@ -288,10 +288,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+TORCH_DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def launch(script: Path, arguments: list[str], processes: int, timeout_s: int = 900) -> subprocess.CompletedProcess:
     """Run a test's worker script in one process (`python`) or in two (`accelerate launch` with
     examples/accelerate_configs/cpu_2proc.yaml: DDP over gloo on the CPU)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    # A colocated vLLM engine of an earlier test sets torch.distributed's variables in this process (and holds
+    # MASTER_PORT): the worker's processes get their own from the launcher, or none
+    env = {key: value for key, value in os.environ.items() if key not in TORCH_DISTRIBUTED_ENV}
+    env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_WAIT_POLICY="PASSIVE")
     command = [sys.executable, str(script)]
     if processes > 1:
         command = [
@@ -318,6 +324,20 @@ def two_processes_then_one(tmp_path: Path, spec: dict) -> tuple[dict, dict]:
         assert done.returncode == 0, done.stderr[-4000:]
         results[processes] = torch.load(out)
     return results[2], results[1]
+
+
+@pytest.fixture
+def no_nccl_weight_transfer(monkeypatch):
+    """TRL's weight transfer to a vLLM server runs on NCCL and needs CUDA: only its two client calls are skipped."""
+    from trl.generation.vllm_client import VLLMClient  # imports vLLM: only for the vLLM tests
+
+    monkeypatch.setattr(VLLMClient, "init_communicator", lambda self, device=0: None)
+
+    def drain(self, metadata, named_params):  # walk the weights as the broadcast would (PEFT merges and unmerges)
+        for _ in named_params:
+            pass
+
+    monkeypatch.setattr(VLLMClient, "update_named_params", drain)
 
 
 def require_vllm() -> None:

@@ -27,8 +27,6 @@ from .conftest import length_reward, make_trainer, require_vllm
 
 require_vllm()
 
-from trl.generation.vllm_client import VLLMClient  # noqa: E402  (TRL's vLLM client imports vLLM)
-
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -74,18 +72,6 @@ class FaultAfterSave(TrainerCallback):
         if state.global_step == self.step:
             self.server.send_signal(self.signum)
             self.at = time.monotonic()
-
-
-@pytest.fixture
-def no_nccl_weight_transfer(monkeypatch):
-    """TRL's weight transfer to a server runs on NCCL and needs CUDA: only its two client calls are skipped."""
-    monkeypatch.setattr(VLLMClient, "init_communicator", lambda self, device=0: None)
-
-    def drain(self, metadata, named_params):  # walk the weights as the broadcast would (PEFT merges and unmerges)
-        for _ in named_params:
-            pass
-
-    monkeypatch.setattr(VLLMClient, "update_named_params", drain)
 
 
 def test_a_hung_server_ends_sync_server_mode_within_the_bound_and_the_run_resumes(

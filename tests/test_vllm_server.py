@@ -31,7 +31,6 @@ from .conftest import (
 
 require_vllm()
 
-from trl.generation.vllm_client import VLLMClient  # noqa: E402  (after the check: TRL's vLLM client imports vLLM)
 from trl.scripts.vllm_serve import ScriptArguments, build_command  # noqa: E402
 
 
@@ -52,18 +51,6 @@ def vllm_server(request, vllm_model_dir, tmp_path_factory):  # noqa: F811
     log_path = tmp_path_factory.mktemp(f"vllm-server-{request.param}") / "server.log"
     with running_server(serve_command(vllm_model_dir, port, request.param), port, log_path) as url:
         yield url
-
-
-@pytest.fixture
-def no_nccl_weight_transfer(monkeypatch):
-    """TRL's weight transfer to a server runs on NCCL and needs CUDA: only its two client calls are skipped."""
-    monkeypatch.setattr(VLLMClient, "init_communicator", lambda self, device=0: None)
-
-    def drain(self, metadata, named_params):  # walk the weights as the broadcast would (PEFT merges and unmerges)
-        for _ in named_params:
-            pass
-
-    monkeypatch.setattr(VLLMClient, "update_named_params", drain)
 
 
 def server_trainer(tmp_path, url, model_dir, prompts, tokenizer, **overrides):
