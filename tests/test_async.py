@@ -178,10 +178,12 @@ def test_the_trust_region_masks_the_samples_that_lag_and_not_the_fresh_ones(serv
                 gap.setdefault(bucket, []).append(entry[f"mismatch/abs_prob_diff_mean_lag_{bucket}"])
     assert list(masked) == ["0", "1", "2", "3plus"], masked
     mean = {bucket: sum(values) / len(values) for bucket, values in gap.items()}
-    # fresh samples differ from pi by the bf16 sampler's gap (0.007-0.008 measured; 0.009 at learning rate 0), every
-    # lagged bucket by at least one update at learning rate 1e-2 (0.07 and more measured)
+    # fresh samples differ from pi by the bf16 sampler's gap (0.007-0.011 measured; 0.009 at learning rate 0), samples
+    # two or more updates old by those updates at learning rate 1e-2 (0.07 and more measured). One update can move pi
+    # less than the sampler's own gap: PEFT starts B at 0, so Adam's first step moves B alone (one CI run's lag-1
+    # bucket, filled at the second step, read 0.0066, below its fresh bucket's 0.011)
     lagged = ("1", "2", "3plus")
-    assert mean["0"] < 0.02 < min(mean[bucket] for bucket in lagged), mean
+    assert mean["0"] < 0.02 < min(mean["2"], mean["3plus"]), mean
     # the trust region masks nothing of the fresh samples (their gap is below delta = 0.15 but for rare tokens) and a
     # share of the lagged ones (measured 0.06-0.14 at lags 1 and 2, 0.04-0.42 beyond, from step to step)
     old = [fraction for bucket in lagged for fraction in masked[bucket]]
