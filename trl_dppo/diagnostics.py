@@ -69,7 +69,15 @@ RATES = {
     "diagnostics/bad_updates_blocked_by_dppo_mask": ("bad_dppo_masked", "bad"),
 }
 # The metrics of both trainers' diagnostics (and of `staleness.py`), which `reduce_dppo_metrics` reduces; TRL logs none
-METRIC_PREFIXES = ("trust_region/", "mismatch/", "diagnostics/", "tokens_by_mu/", "staleness/", "truncation/")
+METRIC_PREFIXES = (
+    "trust_region/",
+    "mismatch/",
+    "diagnostics/",
+    "tokens_by_mu/",
+    "staleness/",
+    "truncation/",
+    "routing/",
+)
 # Of those, the maxima (the window's largest) and the counts (the window's total; also every `tokens_by_mu/*`); every
 # other one is a rate, logged as a (numerator, denominator) pair
 MAXIMA = frozenset({"mismatch/abs_prob_diff_max", "mismatch/at_sync_abs_prob_diff_max", "staleness/lag_max"})
@@ -245,6 +253,18 @@ class TrustRegionDiagnostics:
         metrics = self.trainer._metrics["train"]
         metrics["truncation/kept_mass_gap"].append((sums["gap"], sums["tokens"]))
         metrics["truncation/spurious_tv_over_delta_fraction"].append((sums["over"], sums["tokens"]))
+
+    def record_replayed_routes(self, mode: str, replayed) -> None:
+        """With router replay (`moe.ReplayedRoutes` of one loss forward): the share of replayed routing decisions (a
+        token in one MoE layer) where the trainer's router would have chosen another expert set than the sampler."""
+        sums = gather_sums(
+            self.trainer.accelerator,
+            {
+                name: torch.tensor(getattr(replayed, name), device=self.trainer.accelerator.device)
+                for name in ("differing", "replayed")
+            },
+        )
+        self.trainer._metrics[mode]["routing/differing_expert_sets"].append((sums["differing"], sums["replayed"]))
 
     # --------------------------------------------------------------------------------------- masked-token counts
 
