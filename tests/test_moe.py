@@ -226,5 +226,10 @@ def test_router_replay_is_refused_with_tools(moe_model_dir, prompts, tool_tokeni
 
     with pytest.raises(ValueError, match="not supported with tool calls or environments"):
         moe_trainer(
-            tmp_path, moe_model_dir, prompts, tool_tokenizer, use_rollout_routing_replay=True, trainer_kwargs={"tools": [add]}
+            tmp_path,
+            moe_model_dir,
+            prompts,
+            tool_tokenizer,
+            use_rollout_routing_replay=True,
+            trainer_kwargs={"tools": [add]},
         )
