@@ -35,8 +35,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from peft import LoraConfig  # noqa: E402
-
 from tests.conftest import build_tiny_model, build_tiny_moe  # noqa: E402
+
 from trl_dppo import DPPOConfig, DPPOTrainer  # noqa: E402
 from trl_dppo.jobs.default_model import smollm2_tokenizer  # noqa: E402
 
@@ -47,7 +47,9 @@ def even_token_share(completion_ids, **kwargs):
 
 
 def prompts() -> Dataset:
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say something about {i}."}] for i in range(512)]})
+    return Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": f"Say something about {i}."}] for i in range(512)]}
+    )
 
 
 def run(model_dir: str, tokenizer, steps: int, seed: int, learning_rate: float, **dppo) -> list[dict]:
@@ -161,7 +163,11 @@ def main() -> None:
                         "seconds": time.time() - start,
                     }
                     rewards = results["training"][name]["curves"]["reward"]
-                    print(name, f"reward first 5 {sum(rewards[:5]) / 5:.3f} last 5 {sum(rewards[-5:]) / 5:.3f}", flush=True)
+                    print(
+                        name,
+                        f"reward first 5 {sum(rewards[:5]) / 5:.3f} last 5 {sum(rewards[-5:]) / 5:.3f}",
+                        flush=True,
+                    )
                     (options.out / "results.json").write_text(json.dumps(results, indent=1))
     (options.out / "results.json").write_text(json.dumps(results, indent=1))
     print(torch.__version__)
