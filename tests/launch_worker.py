@@ -41,6 +41,7 @@ COMPLETION_PADDING = {
     "sampler_base_logps": 0.0,
     "sampler_kept_ids": -1,
     "sampler_kept_logps": -float("inf"),
+    "sampler_routes": -1,  # along the prompt and completion positions: prompts share one width, so on the right
 }
 PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 
