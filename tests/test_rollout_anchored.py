@@ -358,3 +358,75 @@ def test_corrections_and_their_settings_come_from_the_command_line(tmp_path):
         ("icepop", {"low": 0.5, "high": 5.0}),
         ("kl_to_sampler", {"tau": 0.01}),
     ]
+
+
+# --- In DPPOTrainer --------------------------------------------------------------------------------------------------
+
+TRAINER_SETTINGS = {  # the trainer test's second step is off-policy by one update at lr 1e-3: ratios within ~1%
+    "icepop": {"low": 0.995, "high": 1.005},
+    "geometric_sequence_mask": {"low": 0.998, "high": 1.002},
+    "off_policy_sequence_mask": {"delta": 1e-3},
+    "truncated_importance_weights": {"cap": 1.002},
+    "kl_to_sampler": {"tau": 0.05},
+}
+
+
+@pytest.mark.parametrize("trust_region", ["dppo", "grpo"])
+def test_every_correction_stacks_in_the_trainer_as_its_equation_says_and_logs_its_metric(
+    trust_region, tmp_path, tiny_model_dir, prompts, tokenizer
+):
+    from .conftest import make_trainer
+
+    trainer = make_trainer(
+        tmp_path,
+        tiny_model_dir,
+        prompts,
+        tokenizer,
+        trust_region=trust_region,
+        trust_region_corrections=ALL_CORRECTIONS,
+        trust_region_corrections_kwargs=TRAINER_SETTINGS,
+        max_steps=2,
+        steps_per_generation=2,  # the second step is off-policy, so ratios move away from 1
+        gradient_accumulation_steps=1,
+    )
+    seen = []
+    set_weights = trainer._set_trust_region_advantages
+
+    def spy(context, trainer_logps, hidden):
+        advantages = context.inputs["advantages"]
+        set_weights(context, trainer_logps, hidden)
+        seen.append((context.inputs, advantages, trainer_logps))
+
+    trainer._set_trust_region_advantages = spy
+    trainer.train()
+    assert len(seen) == 2
+    reference_settings = {
+        "icepop": (0.995, 1.005), "geometric_sequence_mask": (0.998, 1.002), "off_policy_sequence_mask": 1e-3,
+        "truncated_importance_weights": 1.002, "kl_to_sampler": 0.05,
+    }  # fmt: skip
+    for inputs, advantages, trainer_logps in seen:
+        mask = inputs["completion_mask"].bool()
+        sampler_logps = torch.where(mask, inputs["sampling_per_token_logps"], trainer_logps)
+        x = TrustRegionInput(
+            trainer_logps, sampler_logps, sampler_logps, advantages[:, None],
+            binary_divergence(sampler_logps, trainer_logps, "tv"), trainer_logps, mask,
+        )  # fmt: skip
+        weights, _ = get_trust_region(trust_region)(x, **trainer.trust_region_settings)
+        rows = [(pi[m].double().exp().tolist(), mu[m].double().exp().tolist()) for pi, mu, m in
+                zip(trainer_logps, sampler_logps, mask, strict=True)]  # fmt: skip
+        expected = corrections_reference(
+            [w[m].double().tolist() for w, m in zip(weights, mask, strict=True)],
+            [pi for pi, _ in rows], [mu for _, mu in rows], advantages.tolist(), reference_settings,
+        )  # fmt: skip
+        for got, m, reference in zip(inputs["advantages"], mask, expected, strict=True):
+            # float32 weights of float32 log-probabilities, against float64: relative rounding
+            assert got[m].tolist() == pytest.approx(reference, rel=1e-5, abs=1e-6)
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    for name in ALL_CORRECTIONS:
+        for metric in get_correction(name).metrics:
+            values = [e[f"corrections/{name}/{metric}"] for e in logged]
+            assert all(math.isfinite(v) and v >= 0 for v in values), (name, metric, values)
+    off_policy = logged[-1]  # every correction acted there (seed 0: 81%, 88%, 25% and 26% of tokens)
+    assert off_policy["corrections/kl_to_sampler/penalty_mean"] > 0
+    for name in ALL_CORRECTIONS[:-1]:
+        assert off_policy[f"corrections/{name}/token_fraction"] > 0, name

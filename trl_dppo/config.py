@@ -421,9 +421,9 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
             )
         if self.off_policy_mask_threshold is not None:
             raise ValueError(
-                "off_policy_mask_threshold (GRPO's off-policy sequence mask) measures against old log-probabilities "
-                "that DPPO does not recompute. Set off_policy_mask_threshold=None and stack the same mask against the "
-                "sampler instead: trust_region_corrections=['off_policy_sequence_mask'], with "
+                "off_policy_mask_threshold (GRPOTrainer's off-policy sequence mask) reads the batch's advantages, "
+                "which DPPO replaces by its trust region's weights. Set off_policy_mask_threshold=None and stack the "
+                "same mask as a correction: trust_region_corrections=['off_policy_sequence_mask'], with "
                 f"trust_region_corrections_kwargs={{'off_policy_sequence_mask': {{'delta': {self.off_policy_mask_threshold}}}}}."
             )
         if self.use_transformers_continuous_batching or self.use_transformers_paged:

@@ -228,7 +228,7 @@ def _check_at_least(setting: str, minimum: float) -> Callable[..., None]:
 @register_correction(
     "icepop",
     equation="w = 0 where r < low or r > high",
-    source="IcePop: Ling Team, Ring-1T report (arXiv 2510.18855, section 3); verl rollout_rs='token', OpenRLHF "
+    source="IcePop: Ling Team, Ring-1T report (arXiv 2510.18855); verl rollout_rs='token', OpenRLHF "
     "is_correction_type='icepop'",
     check_settings=_check_interval("low", "high"),
 )
@@ -279,8 +279,10 @@ def off_policy_sequence_mask(
     """DeepSeek-V3.2's off-policy sequence mask (OPSM): a negative-advantage token is dropped when its completion's
     mean log(mu / pi), a sample estimate of KL(mu || pi) along it, exceeds `delta`: pushing down a completion the
     current policy already finds much less likely than the sampler did is what destabilises training; positive
-    advantages are kept. TRL's own version (`off_policy_mask_threshold`, refused by DPPOConfig) measures against a
-    recomputed pi_old; this one against the sampler, like every correction here. delta: slime's default, 1e-4."""
+    advantages are kept. Ties (mean exactly delta) are kept, as in TRL's `get_off_policy_mask`. TRL's own switch
+    (`off_policy_mask_threshold`) is refused by DPPOConfig: GRPOTrainer applies it to the advantages, which DPPO
+    replaces by its weights. delta: slime's default, 1e-4 (TRL's help suggests 0.5).
+    """
     mask = x.sequences("the correction 'off_policy_sequence_mask'")
     drift = _sequence_mean(-_log_ratio(x), mask)
     dropped = (x.advantages < 0) & (drift > delta) & mask
