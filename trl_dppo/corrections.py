@@ -246,7 +246,7 @@ def icepop(x: TrustRegionInput, weights: torch.Tensor, *, low: float = 0.5, high
 @register_correction(
     "geometric_sequence_mask",
     equation="w = 0 on every token of a completion whose exp(mean_t log r_t) < low or > high",
-    source="verl rollout_rs='geometric' (docs/algo/rollout_corr.md); SkyRL off_policy_correction geometric mask",
+    source="verl rollout_rs='geometric' (docs/algo/rollout_corr.md, geo_rs)",
     needs_sequences=True,
     check_settings=_check_interval("low", "high"),
 )

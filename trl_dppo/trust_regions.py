@@ -101,6 +101,7 @@ class TrustRegion:
     recomputes_anchor: bool = False
     divergences: tuple[str, ...] | None = None  # the divergences it works with; None: any
     check_settings: Callable[..., None] | None = None
+    source: str = ""  # where it comes from (the docs' table)
 
     @torch.no_grad()
     def __call__(self, x: TrustRegionInput, **settings: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,6 +158,7 @@ def register_trust_region(
     recomputes_anchor: bool = False,
     divergences: tuple[str, ...] | None = None,
     check_settings: Callable[..., None] | None = None,
+    source: str = "",
 ) -> Callable[[TrustRegionFunction], TrustRegionFunction]:
     """Register `fn(x: TrustRegionInput, *, <settings>) -> (weights, keep)` as `trust_region=name`.
 
@@ -170,6 +172,7 @@ def register_trust_region(
             when the config is built.
         check_settings: called with the resolved settings as keyword arguments when the config is built; raises
             ValueError on a bad value.
+        source: the paper or code it comes from, for the docs' table.
     """
 
     def register(fn: TrustRegionFunction) -> TrustRegionFunction:
@@ -183,7 +186,9 @@ def register_trust_region(
                 f"`*`) so that DPPOConfig can fill them by name; {positional} are not keyword-only."
             )
         settings = {p.name: p.default for p in params}
-        TRUST_REGIONS[name] = TrustRegion(name, fn, equation, settings, recomputes_anchor, divergences, check_settings)
+        TRUST_REGIONS[name] = TrustRegion(
+            name, fn, equation, settings, recomputes_anchor, divergences, check_settings, source
+        )
         return fn
 
     return register
@@ -225,6 +230,7 @@ def _check_probability(setting: str) -> Callable[..., None]:
     "dppo",
     equation="w = M * min(r, C) * A, M = 0 iff D > delta and pi moves away from mu_base in the direction of A",
     check_settings=_check_ratio_cap,
+    source="Qi et al., DPPO (arXiv 2602.04879), section 4 and U1 (appendix C.1)",
 )
 def dppo(x: TrustRegionInput, *, delta_low: float, delta_high: float, ratio_cap: float | None = None):
     """DPPO. The paper's U1 has no cap (C = infinity) and its section 5 finds that truncating the ratio brings collapse
@@ -235,7 +241,10 @@ def dppo(x: TrustRegionInput, *, delta_low: float, delta_high: float, ratio_cap:
 
 
 @register_trust_region(
-    "drpo", equation="w = r * A * (1 - sign(A) * (pi - mu_base) / delta)", divergences=("binary_tv",)
+    "drpo",
+    equation="w = r * A * (1 - sign(A) * (pi - mu_base) / delta)",
+    divergences=("binary_tv",),
+    source="DRPO, 'Rethinking the Divergence Regularization in LLM RL' (DPPO's authors)",
 )
 def drpo(x: TrustRegionInput, *, delta_low: float, delta_high: float):
     """DRPO's smooth regulariser toward DPPO's binary-TV boundary; `keep` is False outside it, moving away."""
@@ -250,6 +259,7 @@ def drpo(x: TrustRegionInput, *, delta_low: float, delta_high: float):
     equation="w = dppo's weight where its M = 1, drpo's where M = 0",
     divergences=("binary_tv",),
     check_settings=_check_ratio_cap,
+    source="DRPO paper, Mask-DRPO",
 )
 def mask_drpo(x: TrustRegionInput, *, delta_low: float, delta_high: float, ratio_cap: float | None = None):
     inside, keep = dppo(x, delta_low=delta_low, delta_high=delta_high, ratio_cap=ratio_cap)
@@ -258,7 +268,9 @@ def mask_drpo(x: TrustRegionInput, *, delta_low: float, delta_high: float, ratio
 
 
 @register_trust_region(
-    "grpo", equation="w = M * r * A, M = 0 iff A > 0 and r > 1 + epsilon_high, or A < 0 and r < 1 - epsilon_low"
+    "grpo",
+    equation="w = M * r * A, M = 0 iff A > 0 and r > 1 + epsilon_high, or A < 0 and r < 1 - epsilon_low",
+    source="PPO's clip against mu (GRPO, DAPO's clip-higher); DPPO paper's ladder, appendix C.1",
 )
 def grpo(x: TrustRegionInput, *, epsilon_low: float, epsilon_high: float):
     keep = ratio_clip_keep(x.ratio, x.advantages, epsilon_low, epsilon_high)
@@ -266,7 +278,10 @@ def grpo(x: TrustRegionInput, *, epsilon_low: float, epsilon_high: float):
 
 
 @register_trust_region(
-    "minirl", equation="w = M * r * A, M = grpo's clip of pi / pi_old (pi_old recomputed)", recomputes_anchor=True
+    "minirl",
+    equation="w = M * r * A, M = grpo's clip of pi / pi_old (pi_old recomputed)",
+    recomputes_anchor=True,
+    source="DPPO paper's ladder (RQ2), appendix C.1",
 )
 def minirl(x: TrustRegionInput, *, epsilon_low: float, epsilon_high: float):
     anchor_ratio = importance_ratio(x.trainer_logps, x.anchor_logps)
@@ -274,14 +289,17 @@ def minirl(x: TrustRegionInput, *, epsilon_low: float, epsilon_high: float):
     return dppo_gradient_weights(x.trainer_logps, x.sampler_logps, x.advantages, keep), keep
 
 
-@register_trust_region("pg_is", equation="w = r * A (no trust region)")
+@register_trust_region("pg_is", equation="w = r * A (no trust region)", source="DPPO paper's ladder (RQ1)")
 def pg_is(x: TrustRegionInput):
     everything = torch.ones_like(x.trainer_logps, dtype=torch.bool)
     return dppo_gradient_weights(x.trainer_logps, x.sampler_logps, x.advantages, everything), everything
 
 
 @register_trust_region(
-    "cispo", equation="w = min(r, C) * A (truncated importance sampling)", check_settings=_check_ratio_cap
+    "cispo",
+    equation="w = min(r, C) * A (truncated importance sampling)",
+    check_settings=_check_ratio_cap,
+    source="PG-TIS / CISPO (MiniMax-M1); DPPO paper's ladder (RQ1), C = 3",
 )
 def cispo(x: TrustRegionInput, *, ratio_cap: float | None = 3.0):
     """PG-TIS / CISPO as the paper's stability baseline: C = 3 (appendix C.1). Not GRPOTrainer's `loss_type="cispo"`,
@@ -294,6 +312,7 @@ def cispo(x: TrustRegionInput, *, ratio_cap: float | None = 3.0):
     "negative_mask",
     equation="w = M * r * A, M = 0 iff A < 0 and mu_base - pi >= drop",
     check_settings=_check_probability("drop"),
+    source="DPPO paper's minimal mask (RQ3)",
 )
 def negative_mask(x: TrustRegionInput, *, drop: float = 0.5):
     """The paper's RQ3 minimal mask: only large negative updates are blocked (its threshold: a drop of 0.5)."""
@@ -305,6 +324,7 @@ def negative_mask(x: TrustRegionInput, *, drop: float = 0.5):
     "relaxed_clip",
     equation="w = M * r * A, M = grpo's clip except M = 1 where mu_base < alpha",
     check_settings=_check_probability("alpha"),
+    source="DPPO paper's efficiency probe (section 6)",
 )
 def relaxed_clip(x: TrustRegionInput, *, epsilon_low: float, epsilon_high: float, alpha: float = 0.1):
     """The paper's efficiency probe (section 6): PPO's clip, with epsilon -> infinity on both sides for tokens the
@@ -346,6 +366,7 @@ def _check_cppo(w_min: float, delta_b: float, **_: Any) -> None:
     "min(delta, delta + delta_b * W_{t-1} - S_{t-1}); w_t from 1 (first token) to w_min (last), S_{t-1} and "
     "W_{t-1} the sums of w_j * D_j and w_j over the earlier tokens of the completion",
     check_settings=_check_cppo,
+    source="CPPO (arXiv 2606.10968), Eq. 8-11 and 22; Tencent-Hunyuan/UniRL CPPO",
 )
 def cppo(
     x: TrustRegionInput,
@@ -396,9 +417,10 @@ def cppo(
 
 @register_trust_region(
     "ipo",
-    equation="w = M * r * A, M = 0 iff |pi - mu_base| > eps, whatever the sign of A",
+    equation="w = M * r * A, M = 0 iff abs(pi - mu_base) > eps, whatever the sign of A",
     divergences=("binary_tv",),
     check_settings=_check_probability("eps"),
+    source="prime-rl ipo_loss_fn (PRs #3418, #3586: eps 0.3, no KL)",
 )
 def ipo(x: TrustRegionInput, *, eps: float = 0.3):
     """IPO, prime-rl's default RL loss (PrimeIntellect-ai/prime-rl, src/prime_rl/trainer/rl/loss.py `ipo_loss_fn`;
