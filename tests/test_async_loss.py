@@ -9,6 +9,7 @@ per-token advantages w_t and the old log-probabilities set to pi itself (ratio 1
 from __future__ import annotations
 
 import inspect
+import math
 
 import numpy as np
 import pytest
@@ -341,3 +342,35 @@ def test_dropout_is_off_by_default_where_async_grpo_leaves_it_on(
     with pytest.warns(UserWarning, match="disable_dropout=False with dropout in the model"):
         kept = stub_trainer(tmp_path, tiny_model_dir, tokenizer, prompts, disable_dropout=False)
     assert dropout_probabilities(kept) == {0.1}
+
+
+@pytest.mark.parametrize("trust_region", ["cppo", "ipo"])
+def test_cppo_and_ipo_with_every_correction_train_through_trls_loop(
+    trust_region, tmp_path, tiny_model_dir, tokenizer, prompts
+):
+    """Two optimizer steps of TRL's own training loop on queued samples (the second one update stale), every
+    correction stacked: the loss is finite and each method's and correction's metrics are logged."""
+    trainer = stub_trainer(
+        tmp_path,
+        tiny_model_dir,
+        tokenizer,
+        prompts,
+        trust_region=trust_region,
+        trust_region_corrections=list(CORRECTIONS),
+        learning_rate=1e-3,
+        max_steps=2,
+        logging_steps=1,
+    )
+    samples = with_mu_near_pi(trainer, tokenizer)
+    for s in samples:
+        s.model_version = 1  # the version TRL publishes when training starts
+    for s in samples * 6:
+        trainer.rollout_worker.rollout_buffer.put(s)
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(logged) == 2 and all(math.isfinite(e["loss"]) for e in logged)
+    for entry in logged:
+        assert 0 <= entry["trust_region/masked_fraction"] <= 1
+        for name, correction in CORRECTIONS.items():
+            for metric in correction.metrics:
+                assert math.isfinite(entry[f"corrections/{name}/{metric}"]), (name, metric)

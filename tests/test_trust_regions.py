@@ -18,7 +18,19 @@ from .conftest import make_trainer
 
 
 COMMON = dict(report_to="none", bf16=False)
-LADDER = ("dppo", "drpo", "mask_drpo", "grpo", "minirl", "pg_is", "cispo", "negative_mask", "relaxed_clip", "cppo", "ipo")
+LADDER = (
+    "dppo",
+    "drpo",
+    "mask_drpo",
+    "grpo",
+    "minirl",
+    "pg_is",
+    "cispo",
+    "negative_mask",
+    "relaxed_clip",
+    "cppo",
+    "ipo",
+)
 
 
 @pytest.fixture

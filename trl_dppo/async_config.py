@@ -33,7 +33,10 @@ class AsyncDPPOConfig(TrustRegionArguments, AsyncGRPOConfig):
     trainer zeroes the model's dropout, whose noise would make pi another function than the server's mu.
     """
 
-    _VALID_DICT_FIELDS = AsyncGRPOConfig._VALID_DICT_FIELDS + ["trust_region_kwargs", "trust_region_corrections_kwargs"]
+    _VALID_DICT_FIELDS = AsyncGRPOConfig._VALID_DICT_FIELDS + [
+        "trust_region_kwargs",
+        "trust_region_corrections_kwargs",
+    ]
 
     # AsyncGRPOConfig has no such field and AsyncGRPOTrainer leaves dropout on; AsyncDPPOTrainer applies it
     disable_dropout: bool = field(default=True, metadata={"help": DISABLE_DROPOUT_HELP})

@@ -38,7 +38,14 @@ from trl.trainer.utils import disable_dropout_in_model
 
 from .async_config import AsyncDPPOConfig
 from .corrections import Correction, apply_corrections
-from .diagnostics import RATES, correction_metrics, correction_sums, gather_sums, reduce_dppo_metrics, trust_region_sums
+from .diagnostics import (
+    RATES,
+    correction_metrics,
+    correction_sums,
+    gather_sums,
+    reduce_dppo_metrics,
+    trust_region_sums,
+)
 from .divergence import binary_divergence, trust_region_mask
 from .losses import loss_from_weights
 from .sequences import SequenceLayout

@@ -143,7 +143,7 @@ class TrustRegionArguments:
         default=None,
         metadata={
             "help": "Settings of the corrections, by name, as a dict or a JSON string, e.g. "
-            "'{\"icepop\": {\"low\": 0.5, \"high\": 5.0}}'. Unset settings take each correction's defaults "
+            '\'{"icepop": {"low": 0.5, "high": 5.0}}\'. Unset settings take each correction\'s defaults '
             "(its source's)."
         },
     )

@@ -273,9 +273,7 @@ def geometric_sequence_mask(
     "GRPOConfig.off_policy_mask_threshold",
     needs_sequences=True,
 )
-def off_policy_sequence_mask(
-    x: TrustRegionInput, weights: torch.Tensor, *, delta: float = 1e-4
-) -> CorrectionOutput:
+def off_policy_sequence_mask(x: TrustRegionInput, weights: torch.Tensor, *, delta: float = 1e-4) -> CorrectionOutput:
     """DeepSeek-V3.2's off-policy sequence mask (OPSM): a negative-advantage token is dropped when its completion's
     mean log(mu / pi), a sample estimate of KL(mu || pi) along it, exceeds `delta`: pushing down a completion the
     current policy already finds much less likely than the sampler did is what destabilises training; positive
@@ -330,4 +328,3 @@ def kl_to_sampler(x: TrustRegionInput, weights: torch.Tensor, *, tau: float = 1e
     log_ratio = _log_ratio(x)
     penalty = tau * log_ratio.square()
     return CorrectionOutput((weights.double() - 2 * tau * log_ratio).to(weights.dtype), penalty=penalty.float())
-

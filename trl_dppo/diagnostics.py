@@ -275,7 +275,9 @@ class TrustRegionDiagnostics:
         if not outputs:
             return
         metrics = self.trainer._metrics[mode]
-        for name, value in correction_metrics(gather_sums(self.trainer.accelerator, correction_sums(mask, outputs))).items():
+        for name, value in correction_metrics(
+            gather_sums(self.trainer.accelerator, correction_sums(mask, outputs))
+        ).items():
             metrics[name].append(value)
 
     def record_truncation_gap(self, mask: torch.Tensor, sampler_logps: torch.Tensor, trainer_logps: torch.Tensor):
