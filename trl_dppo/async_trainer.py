@@ -8,7 +8,9 @@ small override (`docs/overrides.md`; `tests/test_upstream_contract.py` pins what
 - `compute_loss`: TRL's loss runs unchanged (its forward over the packed rows, its ratio, KL and entropy metrics, the
   MoE auxiliary loss) on a copy of the batch whose advantages are 0, so its PPO term adds no gradient. A forward hook
   takes the forward's log pi of every loss term, and the trust region's weights w_t (DPPO: M_t * (pi/mu) * A_t,
-  or another registered method) enter as -w_t * exp(log pi - sg(log pi)), normalised as TRL normalises its own term.
+  or another registered method, with the corrections stacked on it) enter as -w_t * exp(log pi - sg(log pi)),
+  normalised as TRL normalises its own term. The method and corrections see the terms one completion per row
+  (`sequences.py`), as in DPPOTrainer.
   Tokens without a sampler log-probability leave the loss and are counted.
 - `get_train_dataloader`: each batch also carries, per loss term, the policy version that sampled it, so the trust
   region's diagnostics are logged per policy lag (`staleness.py`); `_sync_weight`: every process learns the optimizer

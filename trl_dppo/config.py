@@ -250,9 +250,9 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
         > Trust region
 
         trust_region (`str`, defaults to `"dppo"`):
-            The trust region: `dppo`, or for ablations another method registered in `trl_dppo.trust_regions` (the
-            paper's ladder, DRPO and the paper's relaxed clip; docs/trust_regions.md lists them with their
-            equations), or your own registered with `register_trust_region`, as `"module.path:name"` to have its
+            The trust region: `dppo`, or for comparison another method registered in `trl_dppo.trust_regions` (the
+            paper's ladder, DRPO, the paper's relaxed clip, CPPO and prime-rl's IPO; docs/trust_regions.md lists them
+            with their sources and equations), or your own registered with `register_trust_region`, as `"module.path:name"` to have its
             module imported (from YAML or the command line).
         trust_region_kwargs (`dict` or `str`, *optional*):
             The method's own settings, e.g. `{"ratio_cap": 10}` for `dppo` or `{"alpha": 0.05}` for `relaxed_clip`

@@ -12,6 +12,8 @@ registered.
 `trust_region_kwargs`, from the thresholds every method may share (`SHARED_SETTINGS`: DPPO's `delta_low` /
 `delta_high` and PPO's clip range `epsilon_low` / `epsilon_high`, which are the config's fields), then from the
 function's default. Register your own from outside the package with `register_trust_region` (see docs/trust_regions.md).
+Off-policy corrections stacked on any method's weights (IcePop, sequence masks, truncation, a KL to the sampler) are
+`corrections.py`'s.
 
 In the equations r = pi / mu, A the advantage, C a ratio cap, D the divergence estimate, mu_base the sampler's
 distribution before truncation or penalties (what the masks compare pi with; the ratio keeps the mu sampled from).
