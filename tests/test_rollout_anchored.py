@@ -13,6 +13,7 @@ from trl_dppo import DPPOConfig
 from trl_dppo.corrections import CORRECTIONS, apply_corrections, get_correction, resolve_corrections
 from trl_dppo.divergence import binary_divergence
 from trl_dppo.losses import loss_from_weights
+from trl_dppo.sequences import SequenceLayout
 from trl_dppo.trust_regions import TrustRegionInput, cppo_position_weights, get_trust_region
 
 
@@ -358,6 +359,19 @@ def test_corrections_and_their_settings_come_from_the_command_line(tmp_path):
         ("icepop", {"low": 0.5, "high": 5.0}),
         ("kl_to_sampler", {"tau": 0.01}),
     ]
+
+
+def test_packed_loss_terms_are_laid_out_one_completion_per_row_in_their_order():
+    """AsyncDPPOTrainer's layout (`sequences.py`): terms of completions 5, 2, 9 (ids in any order, each completion's
+    terms in token order) become rows, each term at its rank; a process without terms gets one empty slot."""
+    layout = SequenceLayout.from_sequence_ids(torch.tensor([5, 5, 5, 2, 2, 9]))
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    torch.testing.assert_close(
+        layout.to_grid(values, 0.0), torch.tensor([[4.0, 5.0, 0.0], [1.0, 2.0, 3.0], [6.0, 0.0, 0.0]])
+    )
+    torch.testing.assert_close(layout.from_grid(layout.to_grid(values, 0.0)), values)
+    empty = SequenceLayout.from_sequence_ids(torch.zeros(0, dtype=torch.long))
+    assert empty.shape == (1, 1) and empty.from_grid(empty.to_grid(torch.zeros(0), 0.0)).numel() == 0
 
 
 # --- In DPPOTrainer --------------------------------------------------------------------------------------------------

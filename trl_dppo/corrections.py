@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .losses import LOG_RATIO_LIMIT
 from .trust_regions import TrustRegionInput
 
 
@@ -194,8 +195,10 @@ def apply_corrections(
 
 
 def _log_ratio(x: TrustRegionInput) -> torch.Tensor:
-    """log r = log pi - log mu per token, float64 (0 on tokens outside the loss, which hold mu = pi)."""
-    return x.trainer_logps.double() - x.sampler_logps.double()
+    """log r = log pi - log mu per token, float64, within +-`LOG_RATIO_LIMIT` as the weights' ratio (finite where mu
+    is 0); 0 on tokens outside the loss, which hold mu = pi."""
+    log_ratio = x.trainer_logps.double() - x.sampler_logps.double()
+    return log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
 
 
 def _sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,8 @@ class SequenceLayout:
         starts = counts.cumsum(0) - counts
         column = torch.empty_like(row)
         column[order] = torch.arange(len(row), device=row.device) - starts[row[order]]
-        return cls(row, column, (len(counts), int(counts.max()) if len(counts) else 0))
+        # At least one (empty) slot: a process without loss terms runs the same code on a grid outside the loss
+        return cls(row, column, (max(len(counts), 1), int(counts.max()) if len(counts) else 1))
 
     def to_grid(self, values: torch.Tensor, fill: float | bool) -> torch.Tensor:
         """`values` `(N,)` on the grid, `fill` where no term sits."""
