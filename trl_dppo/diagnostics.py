@@ -83,6 +83,7 @@ METRIC_PREFIXES = (
     "staleness/",
     "truncation/",
     "corrections/",
+    "routing/",
 )
 # Of those, the maxima (the window's largest) and the counts (the window's total; also every `tokens_by_mu/*`); every
 # other one is a rate, logged as a (numerator, denominator) pair
@@ -293,6 +294,18 @@ class TrustRegionDiagnostics:
         metrics = self.trainer._metrics["train"]
         metrics["truncation/kept_mass_gap"].append((sums["gap"], sums["tokens"]))
         metrics["truncation/spurious_tv_over_delta_fraction"].append((sums["over"], sums["tokens"]))
+
+    def record_replayed_routes(self, mode: str, replayed) -> None:
+        """With router replay (`moe.ReplayedRoutes` of one loss forward): the share of replayed routing decisions (a
+        token in one MoE layer) where the trainer's router would have chosen another expert set than the sampler."""
+        sums = gather_sums(
+            self.trainer.accelerator,
+            {
+                name: torch.tensor(getattr(replayed, name), device=self.trainer.accelerator.device)
+                for name in ("differing", "replayed")
+            },
+        )
+        self.trainer._metrics[mode]["routing/differing_expert_sets"].append((sums["differing"], sums["replayed"]))
 
     # --------------------------------------------------------------------------------------- masked-token counts
 

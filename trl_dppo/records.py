@@ -29,6 +29,7 @@ import torch
 
 __all__ = [
     "MissingRecordsError",
+    "NO_ROUTE",
     "ROW_BITS",
     "RUN_TOKENS",
     "VOID_ID",
@@ -40,6 +41,8 @@ __all__ = [
     "tagged_rows",
 ]
 
+# A batch position without a recorded route (padding, a token the sampler never forwarded): the trainer routes it
+NO_ROUTE = -1
 # A kept-set slot with no token (the sampled token is already among the top K, or the token has no record)
 VOID_ID = -1
 # Rows of one generation batch are tagged in the low ROW_BITS bits of a float64 mantissa (float32 leaves 29 free)
@@ -149,6 +152,9 @@ class SamplerRecords:
     rows: int = 0
     _blocks: list[_Block] = field(default_factory=list)
     rollout_logprobs: list[list[float]] | None = None
+    # With router replay: per completion, in generation order, the tokens the sampler forwarded `(n,)` and the experts
+    # it routed each of them to `(n, layers, k)` int16 (`moe.py`)
+    routes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def add(
         self,
@@ -240,6 +246,42 @@ class SamplerRecords:
                 "stops here."
             )
         return {key: value.to(completion_ids.device) for key, value in out.items()}
+
+
+    def add_routes(self, tokens: list[torch.Tensor], routes: list[torch.Tensor]) -> None:
+        """Keep one generation call's routing records: per completion, the tokens the sampler forwarded `(n,)` (its
+        prompt, then its completion but the last token) and the experts of each in every MoE layer `(n, layers, k)`."""
+        for sequence, experts in zip(tokens, routes, strict=True):
+            if sequence.numel() != experts.size(0):
+                raise ValueError(f"{experts.size(0)} routes recorded for {sequence.numel()} tokens.")
+            self.routes.append((sequence.to("cpu", torch.int64), experts.to("cpu", torch.int16)))
+
+    def batch_routes(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor):
+        """The routes `(B, P + C, layers, k)` int16 laid out like the batch's `cat(prompt_ids, completion_ids)`
+        (prompts padded on the left, completions on the right), `NO_ROUTE` (-1) where none was recorded; consumes
+        them. Raises `MissingRecordsError` unless each completion of the batch has a record, made for its own tokens."""
+        B, P = prompt_ids.shape
+        if len(self.routes) != B:
+            raise MissingRecordsError(
+                f"{len(self.routes)} routing records for the batch's {B} completions: router replay needs the "
+                "sampler's routes of every completion, recorded by one generation call each."
+            )
+        layers, k = self.routes[0][1].shape[1:]
+        out = torch.full((B, P + completion_ids.size(1), layers, k), NO_ROUTE, dtype=torch.int16)
+        prompt_ids, completion_ids = prompt_ids.cpu(), completion_ids.cpu()
+        starts = P - prompt_mask.sum(1).cpu()
+        for b, (tokens, routes) in enumerate(self.routes):
+            start = int(starts[b])
+            sequence = torch.cat([prompt_ids[b, start:], completion_ids[b]])[: tokens.numel()]
+            if not torch.equal(sequence, tokens):
+                raise MissingRecordsError(
+                    f"The routing record of completion {b} of the batch was made for other tokens than the batch's "
+                    "(a rollout path that reorders or rewrites completions after generation): replaying it would route "
+                    "tokens through another sequence's experts."
+                )
+            out[b, start : start + tokens.numel()] = routes
+        self.routes = []
+        return out
 
 
 def _row_runs(logprobs: list[list[float]], length: int) -> Iterator[tuple[int, torch.Tensor]]:

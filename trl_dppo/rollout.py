@@ -40,6 +40,7 @@ __all__ = [
     "recording_generate",
     "record_vllm_flat_logprobs",
     "record_vllm_logprobs",
+    "replaced_attribute",
     "sync_weights_in_place",
 ]
 
@@ -280,12 +281,12 @@ def recording_generate(model: torch.nn.Module, recorder: SamplerLogprobRecorder)
         max_steps = generation_config.max_new_tokens or generation_config.max_length
         return recorder.processors(original_chain(*args, **kwargs), max_steps)
 
-    with _replaced(model, "generate", generate), _replaced(generator, "_get_logits_processor", get_logits_processor):
+    with replaced_attribute(model, "generate", generate), replaced_attribute(generator, "_get_logits_processor", get_logits_processor):
         yield
 
 
 @contextmanager
-def _replaced(owner: object, name: str, value: object) -> Iterator[None]:
+def replaced_attribute(owner: object, name: str, value: object) -> Iterator[None]:
     """Within the block `owner.name` is `value`; after it, the instance has again exactly what it had: its own attribute
     (a library's or a user's wrapper, an outer block's hook) when it had one, else none, so the class's method shows.
     The class itself is never touched."""

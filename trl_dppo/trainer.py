@@ -40,7 +40,7 @@ import os
 import textwrap
 import warnings
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +55,7 @@ from .config import DPPOConfig
 from .corrections import apply_corrections
 from .diagnostics import TrustRegionDiagnostics, reduce_dppo_metrics
 from .divergence import binary_divergence, topk_divergence, trust_region_mask
+from .moe import RouteReplay, RoutingRecorder, check_router_replay_support, generating_without_router_logits
 from .records import MissingRecordsError, SamplerRecords
 from .rollout import (
     SamplerLogprobRecorder,
@@ -208,6 +209,8 @@ class DPPOTrainer(GRPOTrainer):
                     "returns only the sampled token's log-probability, so the top-K divergence would read 0 and mask "
                     "nothing. Use a binary divergence (divergence='binary_tv' or 'binary_kl') with a rollout_func."
                 )
+        # Hooks on the MoE routers that replay the sampler's routes in the loss's forward (`use_rollout_routing_replay`)
+        self._route_replay = RouteReplay(self._check_router_replay()) if args.use_rollout_routing_replay else None
         self._loss_context: _LossContext | None = None  # set while a loss is computed (`_computing_loss`)
         # The optimizer step at which the training batch in use was generated: the loss runs on the weights that
         # sampled it (`mismatch/at_sync_*`) while `state.global_step` still equals it
@@ -222,6 +225,28 @@ class DPPOTrainer(GRPOTrainer):
             self._wrap_vllm_backend()
         elif self.rollout_func is None:
             check_recordable_sampling(self.generation_config)
+
+    def _check_router_replay(self) -> list[torch.nn.Module]:
+        """The routers to replay, or an error for a model or a rollout path that cannot replay them."""
+        routers = check_router_replay_support(self._causal_lm())
+        path = None
+        if self.rollout_func is not None:
+            path = "a rollout_func, which returns no routes"
+        elif self.tools or self.environment_factories:
+            path = (
+                "tool calls or environments: each turn is a generation call of its own, whose prefill routes the "
+                "earlier turns and tool results again, so no single record covers a completion"
+            )
+        if path is not None:
+            raise ValueError(
+                f"use_rollout_routing_replay=True is not supported with {path}. Set use_rollout_routing_replay=False."
+            )
+        if self.trust_region.recomputes_anchor:
+            raise ValueError(
+                f"use_rollout_routing_replay=True with trust_region={self.args.trust_region!r}: its anchor pi_old is "
+                "recomputed by a forward that does not replay the sampler's routes. Use trust_region='dppo'."
+            )
+        return routers
 
     # ----------------------------------------------------------------------------------------------- generation
 
@@ -258,11 +283,20 @@ class DPPOTrainer(GRPOTrainer):
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
         recorder = SamplerLogprobRecorder(self.args.recorded_topk, self.temperature)
-        with recording_generate(self.accelerator.unwrap_model(self.model_wrapped), recorder):
+        routing = RoutingRecorder(self._route_replay.routers) if self._route_replay else None
+        model = self.accelerator.unwrap_model(self.model_wrapped)
+        with (
+            recording_generate(model, recorder),
+            generating_without_router_logits(model),
+            routing.recording() if routing else nullcontext(),
+        ):
             completion_ids, _ = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        return completion_ids, recorder.finish(completion_ids, self._current_sampler_records())
+        records = self._current_sampler_records()
+        if routing is not None:
+            records.add_routes(*routing.sequence_routes(prompt_ids, completion_ids))
+        return completion_ids, recorder.finish(completion_ids, records)
 
     def _current_sampler_records(self) -> SamplerRecords:
         if self._sampler_records is None:
@@ -299,6 +333,11 @@ class DPPOTrainer(GRPOTrainer):
             except MissingRecordsError as error:
                 raise MissingRecordsError(f"{error} Generation path: {self._generation_path()}.") from None
             output.update(records)
+            if self._route_replay:
+                routes = self._sampler_records.batch_routes(
+                    output["prompt_ids"], output["prompt_mask"], output["completion_ids"]
+                )
+                output["sampler_routes"] = routes.to(output["completion_ids"].device)
             # GRPOTrainer's `dapo` normaliser counts the generation batch's loss tokens over all processes; those
             # without a sampler log-probability leave the loss (`_compute_loss`), so they leave the count too
             missing = self.accelerator.gather(self._missing_sampler_logps(output).sum()).sum()
@@ -348,6 +387,8 @@ class DPPOTrainer(GRPOTrainer):
             # The hidden states feeding the fused LM head, for pi at the kept ids (see topk.py)
             backbone = self._causal_lm().base_model
             handle = backbone.register_forward_hook(lambda m, a, out: hidden.append(out.last_hidden_state.detach()))
+        if self._route_replay and self._is_policy(model):
+            self._route_replay.arm(self._loss_context.inputs["sampler_routes"])
         try:
             logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
@@ -355,9 +396,23 @@ class DPPOTrainer(GRPOTrainer):
         finally:
             if handle is not None:
                 handle.remove()
+            if not torch.is_grad_enabled():  # no backward pass will run the forward again (`training_step`)
+                self._finish_route_replay()
         hidden = torch.cat(hidden, dim=0)[:, -logits_to_keep - 1 : -1] if hidden else None
         self._set_trust_region_advantages(self._loss_context, logps.detach(), hidden)
         return logps, entropies, aux_loss
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            # After the backward pass, whose gradient checkpointing recomputes the forward with the same routes
+            self._finish_route_replay()
+
+    def _finish_route_replay(self) -> None:
+        replayed = self._route_replay.disarm() if self._route_replay else None
+        if replayed is not None:
+            self.diagnostics.record_replayed_routes("train" if self.model.training else "eval", replayed)
 
     def _compute_loss(self, model, inputs):
         # GRPOTrainer reuses a buffered batch over `num_iterations` passes, so work on a shallow copy

