@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from trl_dppo import DPPOConfig
-from trl_dppo.corrections import CORRECTIONS, apply_corrections, get_correction, resolve_corrections
+from trl_dppo.corrections import (
+    CORRECTIONS,
+    CorrectionOutput,
+    apply_corrections,
+    get_correction,
+    register_correction,
+    resolve_corrections,
+)
 from trl_dppo.divergence import binary_divergence
 from trl_dppo.losses import loss_from_weights
 from trl_dppo.sequences import SequenceLayout
@@ -277,6 +284,25 @@ def test_the_order_listed_does_not_change_the_result_and_the_kl_penalty_reaches_
     log_ratio = x.trainer_logps - x.sampler_logps
     assert (masked & x.loss_mask & (log_ratio != 0)).any()
     torch.testing.assert_close(forward[masked], (-2 * 0.1 * log_ratio)[masked])
+
+
+def test_a_correction_registered_outside_the_package_stacks_before_the_kl_penalty():
+    saved = dict(CORRECTIONS)
+    try:
+
+        @register_correction("drop_everything", equation="w = 0", source="this test")
+        def drop_everything(x, weights, *, reason: str = "none"):
+            return CorrectionOutput(torch.zeros_like(weights), affected=x.sequences("drop_everything"))
+
+        chosen = resolve_corrections(["kl_to_sampler", "drop_everything"], None, "dppo", {})
+        assert [correction.name for correction, _ in chosen] == ["drop_everything", "kl_to_sampler"]
+        x = batch_of(**{k: CASES[k] for k in ("pi_rows", "mu_rows", "advantages")})
+        weights, _ = apply_corrections(chosen, x, trust_region_weights("dppo", x))
+        log_ratio = (x.trainer_logps - x.sampler_logps).double()
+        torch.testing.assert_close(weights, (-2 * 1e-3 * log_ratio).float())  # the penalty alone survives
+    finally:
+        CORRECTIONS.clear()
+        CORRECTIONS.update(saved)
 
 
 def test_the_kl_penalty_has_the_gradient_of_tau_times_the_squared_log_ratio():

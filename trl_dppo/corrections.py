@@ -7,9 +7,9 @@ per-token weights the trust region (and the corrections before it) gave; it retu
 trust_region_corrections_kwargs={name: {...}})` picks them, in both trainers alike.
 
 Stacking order. The corrections apply in the order of `CORRECTIONS` (registration order), whatever the order they
-are listed in: first the masks and the truncation, which multiply the weight by a factor in [0, 1] (so their order
-among themselves changes nothing), then the KL penalty, which adds a term of its own, so that no mask or truncation
-removes it (prime-rl applies it on every loss token, masked or not).
+are listed in, those that add a loss term last: first the masks and the truncation, which multiply the weight by a
+factor in [0, 1] (so their order among themselves changes nothing), then the KL penalty, which adds a term of its
+own, so that no mask or truncation removes it (prime-rl applies it on every loss token, masked or not).
 
 In the equations r = pi / mu (mu the distribution the token was drawn from, as in the trust regions' ratio), w the
 weight so far, and a sequence one completion (one row of the batch; `TrustRegionInput.loss_mask` says which tokens
@@ -111,7 +111,7 @@ def register_correction(
 ) -> Callable[[CorrectionFunction], CorrectionFunction]:
     """Register `fn(x: TrustRegionInput, weights, *, <settings with defaults>) -> CorrectionOutput` as a correction.
 
-    Corrections stack in registration order, and one that adds a loss term (`adds_term`) must come after every one
+    Corrections stack in registration order, except that those adding a loss term (`adds_term`) come after every one
     that scales the weight, so that no mask or truncation removes the term."""
 
     def register(fn: CorrectionFunction) -> CorrectionFunction:
@@ -123,8 +123,6 @@ def register_correction(
                 f"{fn.__qualname__} takes the TrustRegionInput and the weights, then its settings as keyword-only "
                 "parameters with defaults (after `*`)."
             )
-        if not adds_term and any(c.adds_term for c in CORRECTIONS.values()):
-            raise ValueError(f"{name!r} scales the weight: register it before the corrections that add a term.")
         settings = {p.name: p.default for p in params}
         CORRECTIONS[name] = Correction(
             name, fn, equation, source, settings, caps_ratio, needs_sequences, adds_term, check_settings
@@ -177,7 +175,7 @@ def resolve_corrections(
                 f"{fix}."
             )
     order = list(CORRECTIONS)
-    chosen.sort(key=lambda correction: order.index(correction.name))
+    chosen.sort(key=lambda correction: (correction.adds_term, order.index(correction.name)))
     return [(correction, correction.resolve_settings(kwargs.get(correction.name))) for correction in chosen]
 
 
