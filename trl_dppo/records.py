@@ -247,7 +247,6 @@ class SamplerRecords:
             )
         return {key: value.to(completion_ids.device) for key, value in out.items()}
 
-
     def add_routes(self, tokens: list[torch.Tensor], routes: list[torch.Tensor]) -> None:
         """Keep one generation call's routing records: per completion, the tokens the sampler forwarded `(n,)` (its
         prompt, then its completion but the last token) and the experts of each in every MoE layer `(n, layers, k)`."""

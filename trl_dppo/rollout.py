@@ -281,7 +281,10 @@ def recording_generate(model: torch.nn.Module, recorder: SamplerLogprobRecorder)
         max_steps = generation_config.max_new_tokens or generation_config.max_length
         return recorder.processors(original_chain(*args, **kwargs), max_steps)
 
-    with replaced_attribute(model, "generate", generate), replaced_attribute(generator, "_get_logits_processor", get_logits_processor):
+    with (
+        replaced_attribute(model, "generate", generate),
+        replaced_attribute(generator, "_get_logits_processor", get_logits_processor),
+    ):
         yield
 
 

@@ -55,7 +55,13 @@ from .config import DPPOConfig
 from .corrections import apply_corrections
 from .diagnostics import TrustRegionDiagnostics, reduce_dppo_metrics
 from .divergence import binary_divergence, topk_divergence, trust_region_mask
-from .moe import RouteReplay, RoutingRecorder, check_router_replay_support, generating_without_router_logits
+from .moe import (
+    RouteReplay,
+    RoutingRecorder,
+    check_router_replay_support,
+    generating_without_router_logits,
+    refuse_moe_on_vllm_cpu_colocate,
+)
 from .records import MissingRecordsError, SamplerRecords
 from .rollout import (
     SamplerLogprobRecorder,
@@ -180,6 +186,8 @@ class DPPOTrainer(GRPOTrainer):
                 "each would train alone on the whole data. On a machine without GPUs set `use_cpu=True` in DPPOConfig "
                 "(`--use_cpu true`): the processes then train together over gloo."
             )
+        if args.use_vllm and args.vllm_mode == "colocate":
+            refuse_moe_on_vllm_cpu_colocate(model, args.model_init_kwargs)
         super().__init__(
             model,
             reward_funcs,
