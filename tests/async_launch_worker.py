@@ -60,9 +60,9 @@ def main(url: str, out_file: str) -> None:
     seen = []
     trust_region_loss = trainer._trust_region_loss
 
-    def spy(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens):
+    def spy(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens, completions):
         seen.append((trainer_logps.detach().clone(), sampler_logps.clone(), missing.clone()))
-        return trust_region_loss(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens)
+        return trust_region_loss(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens, completions)
 
     trainer._trust_region_loss = spy
     trainer.train()

@@ -102,9 +102,9 @@ def spy_on_the_loss(trainer) -> list[dict]:
         seen.append({"inputs": inputs})
         return compute_loss(model, inputs, *args, **kwargs)
 
-    def terms(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens):
+    def terms(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens, completions):
         seen[-1].update(pi=trainer_logps.detach().clone(), mu=sampler_logps.clone(), lag=lag.clone())
-        return trust_region_loss(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens)
+        return trust_region_loss(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens, completions)
 
     trainer.compute_loss, trainer._trust_region_loss = loss, terms
     return seen

@@ -9,6 +9,7 @@ per-token advantages w_t and the old log-probabilities set to pi itself (ratio 1
 from __future__ import annotations
 
 import inspect
+import math
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from trl_dppo import AsyncDPPOConfig, AsyncDPPOTrainer
 from trl_dppo.async_trainer import POLICY_VERSION
+from trl_dppo.corrections import CORRECTIONS, apply_corrections
 from trl_dppo.divergence import binary_divergence
 from trl_dppo.trust_regions import TRUST_REGIONS, TrustRegionInput
 
@@ -148,33 +150,74 @@ def reference_batch(batch, pi, weights, missing=None):
 SAMPLED_TOKEN_METHODS = [name for name, method in TRUST_REGIONS.items() if not method.recomputes_anchor]
 
 
-@pytest.mark.parametrize("trust_region", SAMPLED_TOKEN_METHODS)
+# Tight enough to act on `with_mu_near_pi`'s samples (ratio 0.95, far below it where mu was raised, 1.22 at one term)
+CORRECTION_SETTINGS = {
+    "icepop": {"low": 0.9, "high": 1.1},
+    "geometric_sequence_mask": {"low": 0.9, "high": 1.1},
+    "off_policy_sequence_mask": {"delta": 0.1},
+    "truncated_importance_weights": {"cap": 1.1},
+    "kl_to_sampler": {"tau": 0.01},
+}
+
+
+def by_completion(terms: torch.Tensor, fill) -> torch.Tensor:
+    """The flat loss terms of `replies()`' six samples (laid out sample by sample) as one row per completion."""
+    lengths = [len(reply) for _, reply, _, _ in replies()]
+    return torch.nn.utils.rnn.pad_sequence(list(torch.split(terms, lengths)), batch_first=True, padding_value=fill)
+
+
+@pytest.mark.parametrize(
+    ("trust_region", "corrections"),
+    [(name, ()) for name in SAMPLED_TOKEN_METHODS] + [("dppo", tuple(CORRECTIONS)), ("grpo", tuple(CORRECTIONS))],
+)
 def test_the_gradient_is_trls_loss_with_the_trust_regions_per_token_advantages(
-    trust_region, tmp_path, tiny_model_dir, tokenizer, prompts
+    trust_region, corrections, tmp_path, tiny_model_dir, tokenizer, prompts
 ):
-    trainer = stub_trainer(tmp_path, tiny_model_dir, tokenizer, prompts, trust_region=trust_region)
+    trainer = stub_trainer(
+        tmp_path,
+        tiny_model_dir,
+        tokenizer,
+        prompts,
+        trust_region=trust_region,
+        trust_region_corrections=list(corrections),
+        trust_region_corrections_kwargs={name: CORRECTION_SETTINGS[name] for name in corrections},
+    )
     published_every_update(trainer, versions=4)
     # mu = pi + 0.3 on tokens of each advantage sign: DPPO's mask and PPO's clip block it where A < 0 (pi would move
     # further below mu) and keep it where A > 0
     lengths = [len(reply) for _, reply, _, _ in replies()]
     first = np.cumsum([0, *lengths])[:-1].tolist()  # each sample's first term
     raised = {first[0], first[0] + 1, first[1], first[3] + 1, first[4], first[5] + 2}
-    batch = next_batch(trainer, with_mu_near_pi(trainer, tokenizer, raised))
+    samples = with_mu_near_pi(trainer, tokenizer, raised)
+    completion_start = int((samples[2].completion_mask == 0).sum())
+    samples[2].old_log_probs[completion_start + 1] -= 0.25  # a ratio of 0.95 e^0.25 = 1.22 for the truncation
+    batch = next_batch(trainer, samples)
     terms = batch["token_index"] >= 0
     pi, mu = trainer_log_probs(trainer, batch), batch["old_log_probs"][terms]
     ours = gradient(trainer, AsyncDPPOTrainer.compute_loss, batch)
-    # the weights the loss used, from the registry, as the trainer computes them
+    # the weights the loss used, from the registry and the corrections, on one row per completion as DPPOTrainer has
     setup = trainer._trust_region
-    advantages = batch["advantages"][terms]
-    divergence = binary_divergence(mu, pi, setup.kind)
-    weights, keep = setup.method(TrustRegionInput(pi, mu, mu, advantages, divergence, pi), **setup.settings)
+    rows = by_completion(torch.ones_like(pi, dtype=torch.bool), False)
+    grid_pi, grid_mu = by_completion(pi, 0.0), by_completion(mu, 0.0)
+    grid_advantages = by_completion(batch["advantages"][terms], 0.0)
+    x = TrustRegionInput(
+        grid_pi, grid_mu, grid_mu, grid_advantages, binary_divergence(grid_mu, grid_pi, setup.kind), grid_pi, rows
+    )
+    grid_weights, keep = setup.method(x, **setup.settings)
+    grid_weights, outputs = apply_corrections(setup.corrections, x, grid_weights)
+    weights = grid_weights[rows]
     if trust_region in ("dppo", "grpo"):
-        assert 0 < (~keep).sum() < keep.sum()  # the trust region blocks some tokens, not all
+        assert 0 < (~keep[rows]).sum() < keep[rows].sum()  # the trust region blocks some tokens, not all
+    for name, output in outputs.items():
+        if output.affected is not None:
+            assert output.affected[rows].any(), f"{name} acted on no token"
+        metric = "penalty_mean" if output.affected is None else "token_fraction"
+        assert f"corrections/{name}/{metric}" in trainer._metrics["train"]
     reference = gradient(trainer, AsyncGRPOTrainer.compute_loss, reference_batch(batch, pi, weights))
     for mine, theirs in zip(ours, reference, strict=True):
         # the same float32 operations on the same values, summed in another order: float32 rounding
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6 * theirs.abs().max().item())
-    if trust_region == "grpo":
+    if trust_region == "grpo" and not corrections:
         # PPO's clip as TRL computes it: TRL's own loss on the batch as sampled has the same gradient
         theirs = gradient(trainer, AsyncGRPOTrainer.compute_loss, batch)
         for mine, trl in zip(ours, theirs, strict=True):
@@ -299,3 +342,35 @@ def test_dropout_is_off_by_default_where_async_grpo_leaves_it_on(
     with pytest.warns(UserWarning, match="disable_dropout=False with dropout in the model"):
         kept = stub_trainer(tmp_path, tiny_model_dir, tokenizer, prompts, disable_dropout=False)
     assert dropout_probabilities(kept) == {0.1}
+
+
+@pytest.mark.parametrize("trust_region", ["cppo", "ipo"])
+def test_cppo_and_ipo_with_every_correction_train_through_trls_loop(
+    trust_region, tmp_path, tiny_model_dir, tokenizer, prompts
+):
+    """Two optimizer steps of TRL's own training loop on queued samples (the second one update stale), every
+    correction stacked: the loss is finite and each method's and correction's metrics are logged."""
+    trainer = stub_trainer(
+        tmp_path,
+        tiny_model_dir,
+        tokenizer,
+        prompts,
+        trust_region=trust_region,
+        trust_region_corrections=list(CORRECTIONS),
+        learning_rate=1e-3,
+        max_steps=2,
+        logging_steps=1,
+    )
+    samples = with_mu_near_pi(trainer, tokenizer)
+    for s in samples:
+        s.model_version = 1  # the version TRL publishes when training starts
+    for s in samples * 6:
+        trainer.rollout_worker.rollout_buffer.put(s)
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(logged) == 2 and all(math.isfinite(e["loss"]) for e in logged)
+    for entry in logged:
+        assert 0 <= entry["trust_region/masked_fraction"] <= 1
+        for name, correction in CORRECTIONS.items():
+            for metric in correction.metrics:
+                assert math.isfinite(entry[f"corrections/{name}/{metric}"]), (name, metric)

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from trl_dppo.corrections import CORRECTIONS
 from trl_dppo.trust_regions import SHARED_SETTINGS, TRUST_REGIONS
 
 from .conftest import REPO
@@ -56,13 +57,29 @@ def test_every_docs_page_is_linked_from_the_readme():
     assert {f"docs/{page.name}" for page in (REPO / "docs").glob("*.md")} <= linked
 
 
-def test_the_trust_region_table_is_the_registry():
+def test_the_trust_region_table_is_the_registry_of_methods_and_corrections():
     page = (REPO / "docs" / "trust_regions.md").read_text()
-    header, *rows = [line for line in page.splitlines() if line.startswith("| `")]
-    assert header == "| `trust_region` | w_t | own settings (`trust_region_kwargs`) |"
+    header, *rows = [line for line in page.splitlines() if line.startswith("| `") or line.startswith("| name |")]
+    assert header == "| name | chosen by | source | w_t | own settings (defaults) | logs |"
+    assert rows == docs_table_rows()
 
-    def row(name, method):
-        own = [f"{s}={d!r}" for s, d in method.settings.items() if s not in SHARED_SETTINGS]
-        return f"| `{name}` | `{method.equation}` | {', '.join(f'`{s}`' for s in own) or 'none'} |"
 
-    assert rows == [row(name, method) for name, method in TRUST_REGIONS.items()]
+def docs_table_rows() -> list[str]:
+    """docs/trust_regions.md's table, from the registries of trust regions and corrections."""
+
+    def settings(pairs):
+        return ", ".join(f"`{s}={d!r}`" for s, d in pairs) or "none"
+
+    methods = [
+        f"| `{name}` | `trust_region` | {m.source} | `{m.equation}` | "
+        f"{settings((s, d) for s, d in m.settings.items() if s not in SHARED_SETTINGS)} | "
+        "`trust_region/masked_fraction` (`_pos_adv`, `_neg_adv`) |"
+        for name, m in TRUST_REGIONS.items()
+    ]
+    corrections = [
+        f"| `{name}` | `trust_region_corrections` | {c.source} | `{c.equation}` | {settings(c.settings.items())} | "
+        + ", ".join(f"`corrections/{name}/{metric}`" for metric in c.metrics)
+        + " |"
+        for name, c in CORRECTIONS.items()
+    ]
+    return methods + corrections

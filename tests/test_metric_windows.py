@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from trl_dppo.diagnostics import reduce_window
+from trl_dppo.sequences import SequenceLayout
 
 from .conftest import make_trainer
 from .test_async_loss import stub_trainer
@@ -132,7 +133,8 @@ def test_evaluation_logs_its_own_window_and_adds_nothing_to_the_trainings_masked
 
 def async_micro_batch(tokens, lags, missing: int = 0) -> dict[str, torch.Tensor]:
     """`AsyncDPPOTrainer._trust_region_loss`'s inputs for the loss terms `tokens` (their `kept` is the trust region's
-    to decide), at policy lags `lags`, followed by `missing` terms without a sampler log-probability."""
+    to decide), at policy lags `lags`, followed by `missing` terms without a sampler log-probability; all of one
+    completion."""
     advantages, mu, pi, _ = (torch.tensor(column, dtype=torch.float64) for column in zip(*tokens, strict=True))
     extra = torch.full((missing,), 0.6, dtype=torch.float64)
     return dict(
@@ -142,6 +144,7 @@ def async_micro_batch(tokens, lags, missing: int = 0) -> dict[str, torch.Tensor]
         lag=torch.tensor(lags + [0] * missing),
         missing=torch.arange(len(tokens) + missing) >= len(tokens),
         global_n_tokens=torch.tensor(float(len(tokens) + missing)),
+        completions=SequenceLayout.from_sequence_ids(torch.zeros(len(tokens) + missing, dtype=torch.long)),
     )
 
 

@@ -18,7 +18,19 @@ from .conftest import make_trainer
 
 
 COMMON = dict(report_to="none", bf16=False)
-LADDER = ("dppo", "drpo", "mask_drpo", "grpo", "minirl", "pg_is", "cispo", "negative_mask", "relaxed_clip")
+LADDER = (
+    "dppo",
+    "drpo",
+    "mask_drpo",
+    "grpo",
+    "minirl",
+    "pg_is",
+    "cispo",
+    "negative_mask",
+    "relaxed_clip",
+    "cppo",
+    "ipo",
+)
 
 
 @pytest.fixture
@@ -40,7 +52,7 @@ def register_clip_lower():
         return dppo_gradient_weights(x.trainer_logps, x.sampler_logps, x.advantages, keep, cap), keep
 
 
-def test_the_package_registers_the_ladder_drpo_and_the_relaxed_clip():
+def test_the_package_registers_the_ladder_drpo_the_relaxed_clip_cppo_and_ipo():
     assert tuple(TRUST_REGIONS) == LADDER
     assert [name for name, method in TRUST_REGIONS.items() if method.recomputes_anchor] == ["minirl"]
 

@@ -33,7 +33,10 @@ class AsyncDPPOConfig(TrustRegionArguments, AsyncGRPOConfig):
     trainer zeroes the model's dropout, whose noise would make pi another function than the server's mu.
     """
 
-    _VALID_DICT_FIELDS = AsyncGRPOConfig._VALID_DICT_FIELDS + ["trust_region_kwargs"]
+    _VALID_DICT_FIELDS = AsyncGRPOConfig._VALID_DICT_FIELDS + [
+        "trust_region_kwargs",
+        "trust_region_corrections_kwargs",
+    ]
 
     # AsyncGRPOConfig has no such field and AsyncGRPOTrainer leaves dropout on; AsyncDPPOTrainer applies it
     disable_dropout: bool = field(default=True, metadata={"help": DISABLE_DROPOUT_HELP})
@@ -56,3 +59,4 @@ class AsyncDPPOConfig(TrustRegionArguments, AsyncGRPOConfig):
         )
         super().__post_init__()  # parses `trust_region_kwargs` given as a JSON string
         self.trust_region_settings  # a bad or missing setting fails here, not at the first step  # noqa: B018
+        self.trust_region_correction_settings  # likewise for the corrections  # noqa: B018

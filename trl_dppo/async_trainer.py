@@ -8,7 +8,9 @@ small override (`docs/overrides.md`; `tests/test_upstream_contract.py` pins what
 - `compute_loss`: TRL's loss runs unchanged (its forward over the packed rows, its ratio, KL and entropy metrics, the
   MoE auxiliary loss) on a copy of the batch whose advantages are 0, so its PPO term adds no gradient. A forward hook
   takes the forward's log pi of every loss term, and the trust region's weights w_t (DPPO: M_t * (pi/mu) * A_t,
-  or another registered method) enter as -w_t * exp(log pi - sg(log pi)), normalised as TRL normalises its own term.
+  or another registered method, with the corrections stacked on it) enter as -w_t * exp(log pi - sg(log pi)),
+  normalised as TRL normalises its own term. The method and corrections see the terms one completion per row
+  (`sequences.py`), as in DPPOTrainer.
   Tokens without a sampler log-probability leave the loss and are counted.
 - `get_train_dataloader`: each batch also carries, per loss term, the policy version that sampled it, so the trust
   region's diagnostics are logged per policy lag (`staleness.py`); `_sync_weight`: every process learns the optimizer
@@ -37,9 +39,18 @@ from trl.experimental.async_grpo.packing import TREE_ATTENTION
 from trl.trainer.utils import disable_dropout_in_model
 
 from .async_config import AsyncDPPOConfig
-from .diagnostics import RATES, reduce_dppo_metrics, trust_region_sums
+from .corrections import Correction, apply_corrections
+from .diagnostics import (
+    RATES,
+    correction_metrics,
+    correction_sums,
+    gather_sums,
+    reduce_dppo_metrics,
+    trust_region_sums,
+)
 from .divergence import binary_divergence, trust_region_mask
 from .losses import loss_from_weights
+from .sequences import SequenceLayout
 from .server_watch import ServerWatch
 from .staleness import LAG_BUCKETS, LAG_RATES, lag_rate_name, sums_by_lag, updates_since_sampled
 from .trainer import DPPOTrainer, check_training_dropout
@@ -84,6 +95,7 @@ class _TrustRegionSetup:
 
     method: TrustRegion
     settings: dict[str, Any]
+    corrections: list[tuple[Correction, dict[str, Any]]]  # stacked on the method's weights, in order
     kind: str  # of the binary divergence: "tv" or "kl"
     delta_low: float  # DPPO's thresholds, for the diagnostics whatever the method
     delta_high: float
@@ -93,6 +105,7 @@ class _TrustRegionSetup:
         return cls(
             method=get_trust_region(args.trust_region),
             settings=args.trust_region_settings,
+            corrections=args.trust_region_correction_settings,
             kind=args.divergence_kind,
             delta_low=args.delta_low,
             delta_high=args.delta_high,
@@ -280,8 +293,15 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
         sampler_logps, missing = inputs["old_log_probs"][terms], no_mu[terms]
         lag = updates_since_sampled(inputs[POLICY_VERSION][terms], self._published_at, self.state.global_step)
         advantages = inputs["advantages"][terms]
+        # Each term's completion: its row's index and its sample within the row (`segment_id`)
+        row = torch.arange(terms.shape[0], device=terms.device)[:, None].expand_as(terms)[terms]
+        completions = SequenceLayout.from_sequence_ids(
+            row * (int(inputs["segment_id"].max()) + 1) + inputs["segment_id"][terms]
+        )
         global_n_tokens = inputs["global_n_tokens"][0]
-        return loss + self._trust_region_loss(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens)
+        return loss + self._trust_region_loss(
+            trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens, completions
+        )
 
     def _trust_region_loss(
         self,
@@ -291,9 +311,12 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
         lag: torch.Tensor,
         missing: torch.Tensor,
         global_n_tokens: torch.Tensor,
+        completions: SequenceLayout,
     ) -> torch.Tensor:
         """-sum_t w_t * exp(log pi - sg(log pi)) over this process's loss terms (one flat row), normalised like TRL's
-        term: over the tokens of all processes, by gradient-accumulation step. Logs the trust region's metrics."""
+        term: over the tokens of all processes, by gradient-accumulation step. The trust region and its corrections
+        see the terms as the synchronous trainer's batch, one completion per row (`completions`), and give the same
+        weights. Logs the trust region's and the corrections' metrics."""
         setup = self._trust_region
         tokens = ~missing[None]
         with torch.no_grad():
@@ -301,15 +324,21 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
             mu = torch.where(tokens, sampler_logps[None], pi)  # a neutral anchor for tokens without one
             advantages = advantages[None]
             divergence = binary_divergence(mu, pi, setup.kind)
+            # On the grid, a slot without a term is outside the loss with neutral values (mu = pi, A = 0)
+            grid_pi = completions.to_grid(pi[0], 0.0)
+            grid_mu = completions.to_grid(mu[0], 0.0)
             batch = TrustRegionInput(
-                trainer_logps=pi,
-                sampler_logps=mu,
-                base_logps=mu,
-                advantages=advantages,
-                divergence=divergence,
-                anchor_logps=pi,
+                trainer_logps=grid_pi,
+                sampler_logps=grid_mu,
+                base_logps=grid_mu,
+                advantages=completions.to_grid(advantages[0], 0.0),
+                divergence=completions.to_grid(divergence[0], 0.0),
+                anchor_logps=grid_pi,
+                loss_mask=completions.to_grid(tokens[0], False),
             )
             weights, keep = setup.method(batch, **setup.settings)
+            weights, corrections = apply_corrections(setup.corrections, batch, weights)
+            weights, keep = completions.from_grid(weights)[None], completions.from_grid(keep)[None]
             # DPPO's own mask, whatever the trust region: the diagnostics compare it with PPO's clip
             dppo_keep = trust_region_mask(divergence, mu, pi, advantages, setup.delta_low, setup.delta_high)
             diagnostics = dict(
@@ -323,6 +352,10 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
                 epsilon_high=self.epsilon_high,
             )
             sums = self._log_trust_region(tokens, lag[None], diagnostics, (pi.exp() - mu.exp()).abs())
+            if corrections:
+                correction_counts = gather_sums(self.accelerator, correction_sums(batch.loss_mask, corrections))
+                for name, value in correction_metrics(correction_counts).items():
+                    self._metrics["train"][name].append(value)
         # TRL's normalisation of its own term, less the tokens that left the loss
         tokens_per_process = ((global_n_tokens - sums["missing"]) / self.accelerator.num_processes).clamp(min=1.0)
         loss = loss_from_weights(trainer_logps[None], weights * tokens).sum()

@@ -12,6 +12,7 @@ from typing import Any
 
 from trl import GRPOConfig
 
+from .corrections import CORRECTIONS, Correction, resolve_corrections
 from .trust_regions import SHARED_SETTINGS, TRUST_REGIONS, get_trust_region
 
 
@@ -128,6 +129,25 @@ class TrustRegionArguments:
         },
     )
 
+    trust_region_corrections: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Off-policy corrections stacked on the trust region's weight, in both trainers alike, by name "
+            "(docs/trust_regions.md): "
+            + "; ".join(f"'{name}': {c.equation}" for name, c in CORRECTIONS.items())
+            + ". They apply in that order whatever the order listed: the masks and the truncation multiply the "
+            "weight, the KL penalty is added last, on every loss token. Each logs corrections/<name>/*.",
+        },
+    )
+    trust_region_corrections_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Settings of the corrections, by name, as a dict or a JSON string, e.g. "
+            '\'{"icepop": {"low": 0.5, "high": 5.0}}\'. Unset settings take each correction\'s defaults '
+            "(its source's)."
+        },
+    )
+
     def __new__(cls, *args, **kwargs):
         # The dataclass __init__ would fail on an old name with a bare "unexpected keyword" TypeError
         removed = [f"`{old}` is now `{REMOVED_NAMES[old]}`" for old in kwargs if old in REMOVED_NAMES]
@@ -154,6 +174,17 @@ class TrustRegionArguments:
             epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
         )
         return get_trust_region(self.trust_region).resolve_settings(self.trust_region_kwargs, shared)
+
+    @property
+    def trust_region_correction_settings(self) -> list[tuple[Correction, dict[str, Any]]]:
+        """The corrections of `trust_region_corrections` with their settings, in the order they stack; raises on an
+        unknown name, a setting a correction does not take, or a combination that contradicts itself."""
+        return resolve_corrections(
+            self.trust_region_corrections or [],
+            self.trust_region_corrections_kwargs,
+            self.trust_region,
+            self.trust_region_settings,
+        )
 
     def _resolve_trust_region(self) -> None:
         """Fill the thresholds' defaults and refuse values the trust region cannot work with."""
@@ -219,13 +250,22 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
         > Trust region
 
         trust_region (`str`, defaults to `"dppo"`):
-            The trust region: `dppo`, or for ablations another method registered in `trl_dppo.trust_regions` (the
-            paper's ladder, DRPO and the paper's relaxed clip; docs/trust_regions.md lists them with their
-            equations), or your own registered with `register_trust_region`, as `"module.path:name"` to have its
+            The trust region: `dppo`, or for comparison another method registered in `trl_dppo.trust_regions` (the
+            paper's ladder, DRPO, the paper's relaxed clip, CPPO and prime-rl's IPO; docs/trust_regions.md lists them
+            with their sources and equations), or your own registered with `register_trust_region`, as `"module.path:name"` to have its
             module imported (from YAML or the command line).
         trust_region_kwargs (`dict` or `str`, *optional*):
             The method's own settings, e.g. `{"ratio_cap": 10}` for `dppo` or `{"alpha": 0.05}` for `relaxed_clip`
             (a JSON string on the command line). Unset ones take the method's defaults, which follow the paper.
+        trust_region_corrections (`list[str]`, defaults to `[]`):
+            Off-policy corrections stacked on the trust region's weight: `icepop` (token mask on r outside
+            [0.5, 5]), `geometric_sequence_mask`, `off_policy_sequence_mask` (DeepSeek-V3.2's, for negative
+            advantages), `truncated_importance_weights` (refused on a trust region that caps the ratio already) and
+            `kl_to_sampler` (prime-rl's tau * (log pi - log mu)^2). They stack in that order whatever the order listed;
+            each logs `corrections/<name>/*`. docs/trust_regions.md has their equations and sources.
+        trust_region_corrections_kwargs (`dict` or `str`, *optional*):
+            The corrections' settings by name, e.g. `{"icepop": {"low": 0.5, "high": 5.0}}`; unset ones take each
+            correction's defaults (its source's).
 
         > Records and diagnostics
 
@@ -274,7 +314,7 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
     update: GRPOTrainer weights it by pi/pi_old, recomputed, and DPPO recomputes nothing (the ratio reads 1); it warns.
     """
 
-    _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["trust_region_kwargs"]
+    _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["trust_region_kwargs", "trust_region_corrections_kwargs"]
 
     divergence_topk: int = field(
         default=20,
@@ -400,8 +440,10 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
             )
         if self.off_policy_mask_threshold is not None:
             raise ValueError(
-                "off_policy_mask_threshold (GRPO's off-policy sequence mask) is a second trust region on top of "
-                "DPPO's mask. Set off_policy_mask_threshold=None."
+                "off_policy_mask_threshold (GRPOTrainer's off-policy sequence mask) reads the batch's advantages, "
+                "which DPPO replaces by its trust region's weights. Set off_policy_mask_threshold=None and stack the "
+                "same mask as a correction: trust_region_corrections=['off_policy_sequence_mask'], with "
+                f"trust_region_corrections_kwargs={{'off_policy_sequence_mask': {{'delta': {self.off_policy_mask_threshold}}}}}."
             )
         if self.use_transformers_continuous_batching or self.use_transformers_paged:
             raise ValueError(
@@ -411,6 +453,7 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
             )
         super().__post_init__()  # parses `trust_region_kwargs` given as a JSON string
         self.trust_region_settings  # a bad or missing setting fails here, not at the first step  # noqa: B018
+        self.trust_region_correction_settings  # likewise for the corrections  # noqa: B018
         # GRPOTrainer's condition for recomputing old log-probabilities: a batch reaches the loss after an update
         reused = self.gradient_accumulation_steps % (self.steps_per_generation * self.num_iterations) != 0
         if self.beta != 0.0 and self.use_bias_correction_kl and reused:

@@ -16,6 +16,9 @@ The metrics (see docs/metrics.md):
   without a sampler log-probability, taken out of the loss.
 - `diagnostics/*`: the paper's "bad updates" (A < 0 and mu_base - pi >= 0.5) and how many PPO's clip and DPPO's mask
   would block; `tokens_by_mu/*` (with `log_tokens_by_mu`): counts by the sampler's probability.
+- `corrections/<name>/*` (with `trust_region_corrections`, `corrections.py`): for a mask or truncation the loss tokens
+  it removed or truncated (`token_fraction`) and the completions with any (`sequence_fraction`); for the KL penalty
+  its mean value per loss token (`penalty_mean`).
 
 Over a logging window every rate is the window's numerator over its denominator, every maximum the window's and every
 count the window's total (`reduce_window`): each loss logs a rate as a (numerator, denominator) pair, and both trainers'
@@ -32,6 +35,7 @@ import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
 
+from .corrections import CorrectionOutput
 from .losses import LOG_RATIO_LIMIT, ratio_clip_keep
 
 
@@ -43,6 +47,8 @@ __all__ = [
     "MU_BUCKET_EDGES",
     "RATES",
     "TrustRegionDiagnostics",
+    "correction_metrics",
+    "correction_sums",
     "gather_sums",
     "metrics_from_sums",
     "reduce_dppo_metrics",
@@ -76,6 +82,7 @@ METRIC_PREFIXES = (
     "tokens_by_mu/",
     "staleness/",
     "truncation/",
+    "corrections/",
     "routing/",
 )
 # Of those, the maxima (the window's largest) and the counts (the window's total; also every `tokens_by_mu/*`); every
@@ -138,6 +145,30 @@ def trust_region_sums(
             sums[f"tokens_by_mu/{label}/masked"] = (in_bucket & masked).sum()
             sums[f"tokens_by_mu/{label}/ppo_clipped"] = (in_bucket & ppo_clipped).sum()
     return sums
+
+
+@torch.no_grad()
+def correction_sums(mask: torch.Tensor, outputs: dict[str, CorrectionOutput]) -> dict[str, torch.Tensor]:
+    """Sums over the loss tokens of `mask` `(B, T)` (one completion per row) of what each correction did
+    (`corrections.apply_corrections`' outputs), with the token and completion counts they are rates of."""
+    sums = {"corrections/tokens": mask.sum(), "corrections/sequences": mask.any(-1).sum()}
+    for name, output in outputs.items():
+        if output.affected is not None:
+            affected = output.affected.expand_as(mask) & mask
+            sums[f"corrections/{name}/token_fraction"] = affected.sum()
+            sums[f"corrections/{name}/sequence_fraction"] = affected.any(-1).sum()
+        if output.penalty is not None:
+            sums[f"corrections/{name}/penalty_mean"] = torch.where(mask, output.penalty.double(), 0.0).sum()
+    return sums
+
+
+def correction_metrics(sums: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """The logged rates of `correction_sums` added up over processes, as (numerator, denominator) pairs."""
+    return {
+        name: (value, sums["corrections/sequences" if name.endswith("sequence_fraction") else "corrections/tokens"])
+        for name, value in sums.items()
+        if name.count("/") == 2
+    }
 
 
 def metrics_from_sums(sums: dict[str, float]) -> dict[str, float | tuple[float, float]]:
@@ -239,6 +270,16 @@ class TrustRegionDiagnostics:
         if mode == "train" and at_sync:
             for name in ("abs_prob_diff_mean", "abs_prob_diff_max", "kl_mean"):
                 metrics[f"mismatch/at_sync_{name}"].append(metrics[f"mismatch/{name}"][-1])
+
+    def record_corrections(self, mode: str, mask: torch.Tensor, outputs: dict[str, CorrectionOutput]) -> None:
+        """Log what the corrections did in one loss computation (every process calls it: the sums are gathered)."""
+        if not outputs:
+            return
+        metrics = self.trainer._metrics[mode]
+        for name, value in correction_metrics(
+            gather_sums(self.trainer.accelerator, correction_sums(mask, outputs))
+        ).items():
+            metrics[name].append(value)
 
     def record_truncation_gap(self, mask: torch.Tensor, sampler_logps: torch.Tensor, trainer_logps: torch.Tensor):
         """With `vllm_allow_truncated_sampling`, on the first optimizer step after a generation (the trainer's weights

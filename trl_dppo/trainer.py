@@ -52,6 +52,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 
 from .config import DPPOConfig
+from .corrections import apply_corrections
 from .diagnostics import TrustRegionDiagnostics, reduce_dppo_metrics
 from .divergence import binary_divergence, topk_divergence, trust_region_mask
 from .moe import (
@@ -206,6 +207,7 @@ class DPPOTrainer(GRPOTrainer):
         check_training_dropout(self.model, args.disable_dropout)  # after GRPOTrainer's `disable_dropout`
         self.trust_region = get_trust_region(args.trust_region)
         self.trust_region_settings = args.trust_region_settings
+        self.trust_region_corrections = args.trust_region_correction_settings
         if args.recorded_topk:
             check_topk_support(self._causal_lm())
             check_topk_sharding(self.accelerator)
@@ -456,8 +458,8 @@ class DPPOTrainer(GRPOTrainer):
     def _set_trust_region_advantages(
         self, context: _LossContext, trainer_logps: torch.Tensor, hidden: torch.Tensor | None
     ) -> None:
-        """Replace the batch's advantages by the trust region's per-token weights (DPPO: M_t * pi/mu * A_t), and
-        hand what it did to the diagnostics."""
+        """Replace the batch's advantages by the trust region's per-token weights (DPPO: M_t * pi/mu * A_t) with the
+        corrections stacked on them (`corrections.py`), and hand what both did to the diagnostics."""
         inputs = context.inputs
         mask = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).bool()
         advantages = inputs["advantages"]
@@ -491,8 +493,10 @@ class DPPOTrainer(GRPOTrainer):
             advantages=advantages,
             divergence=divergence,
             anchor_logps=trainer_logps if context.anchor_logps is None else context.anchor_logps,
+            loss_mask=mask,  # each row is one completion
         )
         weights, keep = self.trust_region(batch, **self.trust_region_settings)
+        weights, corrections = apply_corrections(self.trust_region_corrections, batch, weights)
         inputs["advantages"] = weights * mask
         # DPPO's own mask, whatever the trust region: the diagnostics compare it with PPO's clip
         dppo_keep = trust_region_mask(
@@ -513,6 +517,7 @@ class DPPOTrainer(GRPOTrainer):
             trainer_logps,
             context.missing_sampler_logps,
         )
+        self.diagnostics.record_corrections("train" if self.model.training else "eval", mask, corrections)
         if at_sync and self.use_vllm and self.args.vllm_allow_truncated_sampling:
             self.diagnostics.record_truncation_gap(mask, sampler_logps, trainer_logps)
 

@@ -12,6 +12,8 @@ registered.
 `trust_region_kwargs`, from the thresholds every method may share (`SHARED_SETTINGS`: DPPO's `delta_low` /
 `delta_high` and PPO's clip range `epsilon_low` / `epsilon_high`, which are the config's fields), then from the
 function's default. Register your own from outside the package with `register_trust_region` (see docs/trust_regions.md).
+Off-policy corrections stacked on any method's weights (IcePop, sequence masks, truncation, a KL to the sampler) are
+`corrections.py`'s.
 
 In the equations r = pi / mu, A the advantage, C a ratio cap, D the divergence estimate, mu_base the sampler's
 distribution before truncation or penalties (what the masks compare pi with; the ratio keeps the mu sampled from).
@@ -65,11 +67,25 @@ class TrustRegionInput:
     advantages: Annotated[torch.Tensor, "(B, 1) or (B, T)"]  # A, broadcast against the tokens
     divergence: TokenTensor  # D_t between the sampler's (mu_base) and the trainer's next-token distributions
     anchor_logps: TokenTensor  # log pi_old recomputed by the trainer (`recomputes_anchor`), else trainer_logps
+    # True on the tokens in the loss, in order along each row, one row per sequence: what a method or correction that
+    # reads positions or whole sequences needs (`needs_sequences`). None: no sequence boundaries (such methods refuse)
+    loss_mask: TokenTensor | None = None
 
     @property
     def ratio(self) -> torch.Tensor:
         """r = pi / mu of each sampled token (float32, at most 2**64: `losses.importance_ratio`)."""
         return importance_ratio(self.trainer_logps, self.sampler_logps)
+
+    def sequences(self, reader: str) -> torch.Tensor:
+        """`loss_mask` as a bool tensor, for `reader` (a method's or correction's name), which needs one row per
+        sequence; raises where the batch has no sequence boundaries."""
+        if self.loss_mask is None:
+            raise ValueError(
+                f"{reader} reads whole sequences (positions along a completion, or a mask over all of its tokens), "
+                "and this batch has no sequence boundaries: pass TrustRegionInput(loss_mask=...), a (B, T) mask of "
+                "the loss tokens with one completion per row. DPPOTrainer and AsyncDPPOTrainer always do."
+            )
+        return self.loss_mask.bool()
 
 
 TrustRegionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -87,6 +103,7 @@ class TrustRegion:
     recomputes_anchor: bool = False
     divergences: tuple[str, ...] | None = None  # the divergences it works with; None: any
     check_settings: Callable[..., None] | None = None
+    source: str = ""  # where it comes from (the docs' table)
 
     @torch.no_grad()
     def __call__(self, x: TrustRegionInput, **settings: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,6 +160,7 @@ def register_trust_region(
     recomputes_anchor: bool = False,
     divergences: tuple[str, ...] | None = None,
     check_settings: Callable[..., None] | None = None,
+    source: str = "",
 ) -> Callable[[TrustRegionFunction], TrustRegionFunction]:
     """Register `fn(x: TrustRegionInput, *, <settings>) -> (weights, keep)` as `trust_region=name`.
 
@@ -156,6 +174,7 @@ def register_trust_region(
             when the config is built.
         check_settings: called with the resolved settings as keyword arguments when the config is built; raises
             ValueError on a bad value.
+        source: the paper or code it comes from, for the docs' table.
     """
 
     def register(fn: TrustRegionFunction) -> TrustRegionFunction:
@@ -169,7 +188,9 @@ def register_trust_region(
                 f"`*`) so that DPPOConfig can fill them by name; {positional} are not keyword-only."
             )
         settings = {p.name: p.default for p in params}
-        TRUST_REGIONS[name] = TrustRegion(name, fn, equation, settings, recomputes_anchor, divergences, check_settings)
+        TRUST_REGIONS[name] = TrustRegion(
+            name, fn, equation, settings, recomputes_anchor, divergences, check_settings, source
+        )
         return fn
 
     return register
@@ -211,6 +232,7 @@ def _check_probability(setting: str) -> Callable[..., None]:
     "dppo",
     equation="w = M * min(r, C) * A, M = 0 iff D > delta and pi moves away from mu_base in the direction of A",
     check_settings=_check_ratio_cap,
+    source="Qi et al., DPPO (arXiv 2602.04879), section 4 and U1 (appendix C.1)",
 )
 def dppo(x: TrustRegionInput, *, delta_low: float, delta_high: float, ratio_cap: float | None = None):
     """DPPO. The paper's U1 has no cap (C = infinity) and its section 5 finds that truncating the ratio brings collapse
@@ -221,7 +243,10 @@ def dppo(x: TrustRegionInput, *, delta_low: float, delta_high: float, ratio_cap:
 
 
 @register_trust_region(
-    "drpo", equation="w = r * A * (1 - sign(A) * (pi - mu_base) / delta)", divergences=("binary_tv",)
+    "drpo",
+    equation="w = r * A * (1 - sign(A) * (pi - mu_base) / delta)",
+    divergences=("binary_tv",),
+    source="DRPO, 'Rethinking the Divergence Regularization in LLM RL' (DPPO's authors)",
 )
 def drpo(x: TrustRegionInput, *, delta_low: float, delta_high: float):
     """DRPO's smooth regulariser toward DPPO's binary-TV boundary; `keep` is False outside it, moving away."""
@@ -236,6 +261,7 @@ def drpo(x: TrustRegionInput, *, delta_low: float, delta_high: float):
     equation="w = dppo's weight where its M = 1, drpo's where M = 0",
     divergences=("binary_tv",),
     check_settings=_check_ratio_cap,
+    source="DRPO paper, Mask-DRPO",
 )
 def mask_drpo(x: TrustRegionInput, *, delta_low: float, delta_high: float, ratio_cap: float | None = None):
     inside, keep = dppo(x, delta_low=delta_low, delta_high=delta_high, ratio_cap=ratio_cap)
@@ -244,7 +270,9 @@ def mask_drpo(x: TrustRegionInput, *, delta_low: float, delta_high: float, ratio
 
 
 @register_trust_region(
-    "grpo", equation="w = M * r * A, M = 0 iff A > 0 and r > 1 + epsilon_high, or A < 0 and r < 1 - epsilon_low"
+    "grpo",
+    equation="w = M * r * A, M = 0 iff A > 0 and r > 1 + epsilon_high, or A < 0 and r < 1 - epsilon_low",
+    source="PPO's clip against mu (GRPO, DAPO's clip-higher); DPPO paper's ladder, appendix C.1",
 )
 def grpo(x: TrustRegionInput, *, epsilon_low: float, epsilon_high: float):
     keep = ratio_clip_keep(x.ratio, x.advantages, epsilon_low, epsilon_high)
@@ -252,7 +280,10 @@ def grpo(x: TrustRegionInput, *, epsilon_low: float, epsilon_high: float):
 
 
 @register_trust_region(
-    "minirl", equation="w = M * r * A, M = grpo's clip of pi / pi_old (pi_old recomputed)", recomputes_anchor=True
+    "minirl",
+    equation="w = M * r * A, M = grpo's clip of pi / pi_old (pi_old recomputed)",
+    recomputes_anchor=True,
+    source="DPPO paper's ladder (RQ2), appendix C.1",
 )
 def minirl(x: TrustRegionInput, *, epsilon_low: float, epsilon_high: float):
     anchor_ratio = importance_ratio(x.trainer_logps, x.anchor_logps)
@@ -260,14 +291,17 @@ def minirl(x: TrustRegionInput, *, epsilon_low: float, epsilon_high: float):
     return dppo_gradient_weights(x.trainer_logps, x.sampler_logps, x.advantages, keep), keep
 
 
-@register_trust_region("pg_is", equation="w = r * A (no trust region)")
+@register_trust_region("pg_is", equation="w = r * A (no trust region)", source="DPPO paper's ladder (RQ1)")
 def pg_is(x: TrustRegionInput):
     everything = torch.ones_like(x.trainer_logps, dtype=torch.bool)
     return dppo_gradient_weights(x.trainer_logps, x.sampler_logps, x.advantages, everything), everything
 
 
 @register_trust_region(
-    "cispo", equation="w = min(r, C) * A (truncated importance sampling)", check_settings=_check_ratio_cap
+    "cispo",
+    equation="w = min(r, C) * A (truncated importance sampling)",
+    check_settings=_check_ratio_cap,
+    source="PG-TIS / CISPO (MiniMax-M1); DPPO paper's ladder (RQ1), C = 3",
 )
 def cispo(x: TrustRegionInput, *, ratio_cap: float | None = 3.0):
     """PG-TIS / CISPO as the paper's stability baseline: C = 3 (appendix C.1). Not GRPOTrainer's `loss_type="cispo"`,
@@ -280,6 +314,7 @@ def cispo(x: TrustRegionInput, *, ratio_cap: float | None = 3.0):
     "negative_mask",
     equation="w = M * r * A, M = 0 iff A < 0 and mu_base - pi >= drop",
     check_settings=_check_probability("drop"),
+    source="DPPO paper's minimal mask (RQ3)",
 )
 def negative_mask(x: TrustRegionInput, *, drop: float = 0.5):
     """The paper's RQ3 minimal mask: only large negative updates are blocked (its threshold: a drop of 0.5)."""
@@ -291,10 +326,110 @@ def negative_mask(x: TrustRegionInput, *, drop: float = 0.5):
     "relaxed_clip",
     equation="w = M * r * A, M = grpo's clip except M = 1 where mu_base < alpha",
     check_settings=_check_probability("alpha"),
+    source="DPPO paper's efficiency probe (section 6)",
 )
 def relaxed_clip(x: TrustRegionInput, *, epsilon_low: float, epsilon_high: float, alpha: float = 0.1):
     """The paper's efficiency probe (section 6): PPO's clip, with epsilon -> infinity on both sides for tokens the
     sampler drew with probability below alpha (the paper's 0.1 learned substantially faster than GRPO's clip)."""
     rare = x.base_logps.exp() < alpha
     keep = ratio_clip_keep(x.ratio, x.advantages, epsilon_low, epsilon_high) | rare
+    return dppo_gradient_weights(x.trainer_logps, x.sampler_logps, x.advantages, keep), keep
+
+
+# --- Rollout-anchored trust regions from after the paper --------------------------------------------------------
+
+
+def cppo_position_weights(loss_mask: torch.Tensor, w_min: float) -> torch.Tensor:
+    """CPPO's position weight (arXiv 2606.10968, Eq. 9): w_t = w_min + (1 - w_min) * (T - t) / max(T - 1, 1) for the
+    t-th of a row's T loss tokens (t = 1 .. T), from 1 at the first token down to w_min at the last; 0 off the loss.
+    float64."""
+    mask = loss_mask.bool()
+    position = mask.cumsum(-1).double()
+    length = mask.sum(-1, keepdim=True).double()
+    weights = w_min + (1 - w_min) * (length - position) / (length - 1).clamp(min=1)
+    return torch.where(mask, weights, 0.0)
+
+
+def _exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
+    """sum_{j < t} values_j along the last dimension (0 at the first position)."""
+    return torch.nn.functional.pad(values.cumsum(-1)[..., :-1], (1, 0))
+
+
+def _check_cppo(w_min: float, delta_b: float, **_: Any) -> None:
+    if not 0 < w_min <= 1:
+        raise ValueError(f"w_min must be in (0, 1] (the last position's weight; the first's is 1), got {w_min}.")
+    if not delta_b > 0:
+        raise ValueError(f"delta_b (CPPO's per-token prefix budget) must be > 0, got {delta_b}.")
+
+
+@register_trust_region(
+    "cppo",
+    equation="w = M * r * A, M = 0 iff pi moves away from mu_base in the direction of A and w_t * D_t > "
+    "min(delta, delta + delta_b * W_{t-1} - S_{t-1}); w_t from 1 (first token) to w_min (last), S_{t-1} and "
+    "W_{t-1} the sums of w_j * D_j and w_j over the earlier tokens of the completion",
+    check_settings=_check_cppo,
+    source="CPPO (arXiv 2606.10968), Eq. 8-11 and 22; Tencent-Hunyuan/UniRL CPPO",
+)
+def cppo(
+    x: TrustRegionInput,
+    *,
+    delta_low: float,
+    delta_high: float,
+    w_min: float = 0.8,
+    delta_b: float = 0.02,
+    adaptive_delta_b: bool = True,
+):
+    """CPPO, Cumulative Prefix-divergence Policy Optimization (Mao, Zhou, Tao et al., "Beyond Uniform Token-Level Trust
+    Region in LLM Reinforcement Learning", arXiv 2606.10968, Eq. 8-11 and 22; the authors' code:
+    Tencent-Hunyuan/UniRL, CPPO/README.md). DPPO's divergence mask with two changes along each completion:
+
+    - a position-weighted threshold: the t-th of T tokens is held to w_t * D_t <= delta (D_t <= delta / w_t), with
+      w_t falling linearly from 1 at the first token to `w_min` at the last, so early tokens, whose change conditions
+      everything after them, get the tightest bound;
+    - a cumulative prefix budget: with S_{t-1} = sum_{j<t} w_j D_j and W_{t-1} = sum_{j<t} w_j, the threshold is
+      c_t = min(delta, delta + delta_b * W_{t-1} - S_{t-1}): once the prefix has drifted more than `delta_b` per
+      (weighted) token, later tokens get less room. Every token's divergence counts in the prefix, masked or not.
+
+    A token is blocked when w_t * D_t > c_t and pi moves away from mu_base in the direction of A (the paper keeps
+    any update with A (r - 1) <= 0); delta is `delta_high` for A > 0 and `delta_low` for A < 0 (the paper: one
+    delta). With `adaptive_delta_b` (the paper's Eq. 22, the authors' recipe) each completion's budget is
+    clamp(P90(D_1..T), delta_b, 2 * delta_b), its divergences' 90th percentile (linear interpolation); otherwise
+    `delta_b`. Defaults: the paper's w_min = 0.8, delta_b = 0.02 (binary TV; delta 0.15 dense, 0.2 MoE). Positions
+    count the completion's loss tokens (tool outputs and tokens without a sampler record take none). The weight is
+    DPPO's, r * A on kept tokens, no cap.
+    """
+    mask = x.sequences("trust_region='cppo'")
+    divergence = torch.where(mask, x.divergence.double(), 0.0)
+    position_weight = cppo_position_weights(mask, w_min)
+    spent = position_weight * divergence  # Z_t
+    if adaptive_delta_b:
+        percentile = torch.nanquantile(torch.where(mask, divergence, float("nan")), 0.9, dim=-1, keepdim=True)
+        budget = percentile.nan_to_num(delta_b).clamp(delta_b, 2 * delta_b)  # a row without loss tokens: delta_b
+    else:
+        budget = torch.full_like(divergence[..., :1], delta_b)
+    advantages = x.advantages.expand_as(divergence)
+    delta = torch.where(advantages > 0, delta_high, delta_low).double()
+    threshold = torch.minimum(delta, delta + budget * _exclusive_cumsum(position_weight) - _exclusive_cumsum(spent))
+    moving_away = ((advantages > 0) & (x.trainer_logps > x.base_logps)) | (
+        (advantages < 0) & (x.trainer_logps < x.base_logps)
+    )
+    keep = ~(moving_away & (spent > threshold) & mask)
+    return dppo_gradient_weights(x.trainer_logps, x.sampler_logps, x.advantages, keep), keep
+
+
+@register_trust_region(
+    "ipo",
+    equation="w = M * r * A, M = 0 iff abs(pi - mu_base) > eps, whatever the sign of A",
+    divergences=("binary_tv",),
+    check_settings=_check_probability("eps"),
+    source="prime-rl ipo_loss_fn (PRs #3418, #3586: eps 0.3, no KL)",
+)
+def ipo(x: TrustRegionInput, *, eps: float = 0.3):
+    """IPO, prime-rl's default RL loss (PrimeIntellect-ai/prime-rl, src/prime_rl/trainer/rl/loss.py `ipo_loss_fn`;
+    made the default in PR #3418, eps 0.3 and no KL term since PR #3586): a symmetric probability mask, the binary
+    TV of DPPO without its direction test. A token is blocked whenever its probability moved more than `eps` from
+    the sampler's, toward or away from mu and whatever the sign of A; prime-rl moved to it for asynchronous training
+    after a tight DPPO delta masked mostly structural tokens (prime-rl #3236, #3244). Its former KL term is the
+    correction `kl_to_sampler` (corrections.py). The weight is r * A on kept tokens."""
+    keep = (x.trainer_logps.double().exp() - x.base_logps.double().exp()).abs() <= eps
     return dppo_gradient_weights(x.trainer_logps, x.sampler_logps, x.advantages, keep), keep
