@@ -142,3 +142,19 @@ def test_lora_on_the_language_model_trains_with_images(vlm_model_dir, tmp_path):
     assert all(not torch.equal(p, dict(trainer.model.named_parameters())[n]) for n, p in adapters.items())
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == 2 and all(entry["mismatch/missing_sampler_logps"] == 0 for entry in logs)
+
+
+def test_async_dppo_refuses_prompts_with_images_at_start(vlm_model_dir, tmp_path):
+    """TRL's asynchronous rollout worker sends the server token ids only: the images would be dropped silently."""
+    from trl_dppo import AsyncDPPOConfig, AsyncDPPOTrainer
+
+    args = AsyncDPPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False)
+    with pytest.raises(ValueError, match="cannot train on prompts with images.*DPPOTrainer"):
+        AsyncDPPOTrainer(vlm_model_dir, reward_funcs=colour_reward, args=args, train_dataset=colour_prompts())
+    # ... and so are image parts in the prompt messages without an image column
+    inline = colour_prompts().map(
+        lambda row: {"prompt": [{**m, "content": [{"type": "image", "image": row["image"]}]} for m in row["prompt"]]},
+        remove_columns=["image"],
+    )
+    with pytest.raises(ValueError, match="cannot train on prompts with images"):
+        AsyncDPPOTrainer(vlm_model_dir, reward_funcs=colour_reward, args=args, train_dataset=inline)

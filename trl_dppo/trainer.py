@@ -62,6 +62,7 @@ from .rollout import (
     record_vllm_flat_logprobs,
     record_vllm_logprobs,
     recording_generate,
+    resetting_encoder_cache,
     sync_weights_in_place,
 )
 from .server_watch import ServerWatch
@@ -249,6 +250,8 @@ class DPPOTrainer(GRPOTrainer):
 
             if current_platform.is_cpu():
                 backend.sync_weights = functools.partial(sync_weights_in_place, backend)
+            else:
+                backend.sync_weights = resetting_encoder_cache(backend.sync_weights, backend.llm)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self.use_vllm:  # the wrapped backend already returns the sampler's records
