@@ -13,49 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .conftest import forward_logprob_atol, make_trainer, spy_on_trust_region
-from .vision import FORWARD_LAYERS, HIDDEN_SIZE, IMAGE_SEQ_LEN, VLM_LOGIT_SIZE, colour_prompts, colour_reward
-
-
-TEMPERATURE = 0.7
-TOPK = 5
-# LoRA on the language model: the vision tower has q_proj / v_proj of its own, left alone
-LANGUAGE_MODEL_LORA = dict(r=4, lora_alpha=8, target_modules=r".*text_model.*\.(q_proj|v_proj)")
-
-
-def vlm_trainer(tmp_path, model_dir, **overrides):
-    from transformers import AutoProcessor
-
-    settings = dict(temperature=TEMPERATURE, max_completion_length=10, divergence_topk=TOPK, log_completions=True)
-    settings.update(overrides)
-    return make_trainer(
-        tmp_path,
-        model_dir,
-        colour_prompts(),
-        AutoProcessor.from_pretrained(model_dir),
-        reward_funcs=colour_reward,
-        lora=LANGUAGE_MODEL_LORA,
-        **settings,
-    )
-
-
-def vlm_logprob_atol(vocab_size: int, logps: torch.Tensor) -> float:
-    """`conftest.forward_logprob_atol` for the tiny VLM: its vision tower, connector and Llama each sum dot products
-    of up to `HIDDEN_SIZE` terms in another order in the sampler's and the trainer's passes."""
-    magnitude = logps[torch.isfinite(logps)].abs().max().item()
-    return forward_logprob_atol(vocab_size, magnitude, HIDDEN_SIZE, FORWARD_LAYERS, VLM_LOGIT_SIZE)
-
-
-def full_logps(trainer, inputs, with_images: bool = True) -> torch.Tensor:
-    """log softmax(logits / T) over the vocabulary at every completion position, `(B, T, V)`: a forward pass of its
-    own with the batch's image fields (or without them: the image tokens then embed as plain tokens)."""
-    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    images = {key: inputs[key] for key in ("pixel_values", "pixel_attention_mask")} if with_images else {}
-    with torch.no_grad():
-        logits = trainer.model(input_ids=input_ids, attention_mask=attention_mask, **images).logits
-    completion_logits = logits[:, inputs["prompt_ids"].size(1) - 1 : -1].float()
-    return torch.log_softmax(completion_logits / TEMPERATURE, dim=-1)
+from .conftest import spy_on_trust_region
+from .vision import IMAGE_SEQ_LEN, TOPK, colour_prompts, colour_reward, full_logps, vlm_logprob_atol, vlm_trainer
 
 
 @pytest.fixture(scope="module", params=["binary_tv", "topk_tv"])
@@ -158,3 +117,16 @@ def test_async_dppo_refuses_prompts_with_images_at_start(vlm_model_dir, tmp_path
     )
     with pytest.raises(ValueError, match="cannot train on prompts with images"):
         AsyncDPPOTrainer(vlm_model_dir, reward_funcs=colour_reward, args=args, train_dataset=inline)
+
+
+def test_vllm_server_mode_with_images_is_refused_at_start(vlm_model_dir, tmp_path):
+    """Untested, and TRL resets only the server's prefix cache after a sync (stale vision embeddings): refused before
+    any server is contacted."""
+    with pytest.raises(ValueError, match="server mode.*vllm_mode='colocate'"):
+        vlm_trainer(tmp_path, vlm_model_dir, use_vllm=True, vllm_mode="server")
+
+
+def test_tools_that_return_images_are_refused_at_the_first_tool_image(lr0_run):
+    trainer, *_ = lr0_run
+    with pytest.raises(NotImplementedError, match="tools that return images"):
+        trainer._generate_single_turn([[1, 2]], None, {}, 1, has_tool_images=True)

@@ -19,10 +19,12 @@ import torch
 import transformers.models.idefics3
 from datasets import Dataset
 from PIL import Image
-from transformers import Idefics3Config, Idefics3ForConditionalGeneration, LlamaConfig
+from transformers import AutoProcessor, Idefics3Config, Idefics3ForConditionalGeneration, LlamaConfig
 from transformers.models.idefics3 import Idefics3Processor
 from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
 from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+from .conftest import forward_logprob_atol, make_trainer
 
 
 # transformers 5.17 files Idefics3's PIL image processor under the torchvision backend in its lazy module, so without
@@ -119,3 +121,42 @@ def colour_reward(completions, colour, **kwargs) -> list[float]:
         float(name in completion[0]["content"].lower()) + len(completion[0]["content"]) % 3 / 3
         for completion, name in zip(completions, colour, strict=True)
     ]
+
+
+TEMPERATURE = 0.7
+TOPK = 5
+# LoRA on the language model: the vision tower has q_proj / v_proj of its own, left alone
+LANGUAGE_MODEL_LORA = dict(r=4, lora_alpha=8, target_modules=r".*text_model.*\.(q_proj|v_proj)")
+
+
+def vlm_trainer(tmp_path, model_dir, **overrides):
+    settings = dict(temperature=TEMPERATURE, max_completion_length=10, divergence_topk=TOPK, log_completions=True)
+    settings.update(overrides)
+    return make_trainer(
+        tmp_path,
+        model_dir,
+        colour_prompts(),
+        AutoProcessor.from_pretrained(model_dir),
+        reward_funcs=colour_reward,
+        lora=LANGUAGE_MODEL_LORA,
+        **settings,
+    )
+
+
+def vlm_logprob_atol(vocab_size: int, logps: torch.Tensor) -> float:
+    """`conftest.forward_logprob_atol` for the tiny VLM: its vision tower, connector and Llama each sum dot products
+    of up to `HIDDEN_SIZE` terms in another order in the sampler's and the trainer's passes."""
+    magnitude = logps[torch.isfinite(logps)].abs().max().item()
+    return forward_logprob_atol(vocab_size, magnitude, HIDDEN_SIZE, FORWARD_LAYERS, VLM_LOGIT_SIZE)
+
+
+def full_logps(trainer, inputs, with_images: bool = True) -> torch.Tensor:
+    """log softmax(logits / T) over the vocabulary at every completion position, `(B, T, V)`: a forward pass of its
+    own with the batch's image fields (or without them: the image tokens then embed as plain tokens)."""
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    images = {key: inputs[key] for key in ("pixel_values", "pixel_attention_mask")} if with_images else {}
+    with torch.no_grad():
+        logits = trainer.model(input_ids=input_ids, attention_mask=attention_mask, **images).logits
+    completion_logits = logits[:, inputs["prompt_ids"].size(1) - 1 : -1].float()
+    return torch.log_softmax(completion_logits / TEMPERATURE, dim=-1)

@@ -39,6 +39,7 @@ from trl.trainer.utils import disable_dropout_in_model
 from .async_config import AsyncDPPOConfig
 from .diagnostics import RATES, reduce_dppo_metrics, trust_region_sums
 from .divergence import binary_divergence, trust_region_mask
+from .images import refuse_images_in_async_prompts
 from .losses import loss_from_weights
 from .server_watch import ServerWatch
 from .staleness import LAG_BUCKETS, LAG_RATES, lag_rate_name, sums_by_lag, updates_since_sampled
@@ -152,24 +153,6 @@ def _peak_flops_unknown_without_cuda():
         async_grpo_trainer.get_peak_flops_per_device = original
 
 
-def refuse_images(train_dataset) -> None:
-    """Refuse a dataset whose prompts carry images: TRL's rollout worker renders each prompt with the tokenizer's chat
-    template and sends the vLLM server token ids alone, so no image would reach the sampler or the trainer, and the
-    model would learn to answer questions about images it never saw."""
-    columns = set(getattr(train_dataset, "column_names", None) or ())
-    first = next(iter(train_dataset), {}) if train_dataset is not None and "prompt" in columns else {}
-    prompt = first.get("prompt") if isinstance(first, dict) else None
-    parts = [part for message in prompt for part in message["content"]] if isinstance(prompt, list) else []
-    image_parts = any(isinstance(part, dict) and part.get("type") in ("image", "image_url") for part in parts)
-    if columns & {"image", "images"} or image_parts:
-        raise ValueError(
-            "AsyncDPPOTrainer cannot train on prompts with images: TRL's asynchronous rollout worker sends the vLLM "
-            "server the prompt's token ids only, so the images would reach neither the sampler nor the trainer. "
-            "Train vision-language prompts with DPPOTrainer (transformers generation, or use_vllm=True in colocate "
-            "mode); AsyncDPPOTrainer trains a vision-language model's language model on text prompts."
-        )
-
-
 class AsyncDPPOTrainer(AsyncGRPOTrainer):
     """Divergence Proximal Policy Optimization on TRL's asynchronous GRPO trainer (`trl.experimental.async_grpo`).
 
@@ -204,7 +187,7 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
                 f"AsyncDPPOTrainer needs an AsyncDPPOConfig, got {type(args).__name__}: pass an AsyncDPPOConfig (it "
                 "takes every AsyncGRPOConfig field, plus DPPO's trust region)."
             )
-        refuse_images(train_dataset)
+        refuse_images_in_async_prompts(train_dataset)
         with _peak_flops_unknown_without_cuda():
             super().__init__(
                 model,

@@ -54,6 +54,7 @@ from trl import GRPOConfig, GRPOTrainer
 from .config import DPPOConfig
 from .diagnostics import TrustRegionDiagnostics, reduce_dppo_metrics
 from .divergence import binary_divergence, topk_divergence, trust_region_mask
+from .images import refuse_images_in_server_mode, refuse_tool_images
 from .records import MissingRecordsError, SamplerRecords
 from .rollout import (
     SamplerLogprobRecorder,
@@ -179,6 +180,8 @@ class DPPOTrainer(GRPOTrainer):
                 "each would train alone on the whole data. On a machine without GPUs set `use_cpu=True` in DPPOConfig "
                 "(`--use_cpu true`): the processes then train together over gloo."
             )
+        if args.use_vllm and args.vllm_mode == "server":
+            refuse_images_in_server_mode(train_dataset)
         super().__init__(
             model,
             reward_funcs,
@@ -254,6 +257,8 @@ class DPPOTrainer(GRPOTrainer):
                 backend.sync_weights = resetting_encoder_cache(backend.sync_weights, backend.llm)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if has_tool_images:
+            refuse_tool_images()
         if self.use_vllm:  # the wrapped backend already returns the sampler's records
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
