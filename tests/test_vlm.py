@@ -130,3 +130,16 @@ def test_tools_that_return_images_are_refused_at_the_first_tool_image(lr0_run):
     trainer, *_ = lr0_run
     with pytest.raises(NotImplementedError, match="tools that return images"):
         trainer._generate_single_turn([[1, 2]], None, {}, 1, has_tool_images=True)
+
+
+def test_a_colocated_sync_on_gpus_empties_vllms_encoder_cache_after_trls_sync():
+    """TRL's colocate sync resets the prefix cache only; an image seen again after an update would otherwise be
+    embedded with the weights before it (CUDA vLLM, so checked here on the wrapper alone)."""
+    from types import SimpleNamespace
+
+    from trl_dppo.rollout import resetting_encoder_cache
+
+    calls = []
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(reset_encoder_cache=lambda: calls.append("reset encoder cache")))
+    resetting_encoder_cache(lambda: calls.append("TRL's sync"), llm)()
+    assert calls == ["TRL's sync", "reset encoder cache"]

@@ -35,7 +35,7 @@ def prompts_have_images(dataset: Any) -> bool:
         return True
     if "prompt" not in columns:
         return False
-    prompt = next(iter(dataset))["prompt"]
+    prompt = next(iter(dataset), {}).get("prompt")
     if not isinstance(prompt, list):
         return False
     contents = [message.get("content") for message in prompt if isinstance(message, dict)]

@@ -253,7 +253,7 @@ class DPPOTrainer(GRPOTrainer):
 
             if current_platform.is_cpu():
                 backend.sync_weights = functools.partial(sync_weights_in_place, backend)
-            else:
+            elif backend.llm.llm_engine.model_config.is_multimodal_model:
                 backend.sync_weights = resetting_encoder_cache(backend.sync_weights, backend.llm)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
