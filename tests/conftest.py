@@ -141,6 +141,18 @@ def reward_model_dir(tokenizer, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def vlm_model_dir(tokenizer, tmp_path_factory):
+    """The tiny vision-language model of tests/vision.py with its processor, saved once per session."""
+    from .vision import build_tiny_vlm
+
+    path = tmp_path_factory.mktemp("tiny-vlm")
+    model, processor = build_tiny_vlm(tokenizer)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def vllm_model_dir(tokenizer, tmp_path_factory):
     """vLLM's CPU attention needs a head dimension of 32 or more, so this tiny model is a little wider."""
     path = tmp_path_factory.mktemp("tiny-llama-vllm")

@@ -272,3 +272,17 @@ def test_moe_generation_and_the_training_step_router_replay_relies_on():
     trainer_step = source(Trainer.training_step)
     assert trainer_step.index("self.compute_loss(") < trainer_step.index("self.accelerator.backward(")
     assert 'model_inputs["output_router_logits"] = True' in source(GRPOTrainer._get_per_token_logps_and_entropies)
+
+
+def test_image_paths_dppo_patches_or_refuses():
+    """`resetting_encoder_cache`: TRL's colocate sync resets vLLM's prefix cache and not its encoder cache.
+    `images.refuse_tool_images`: GRPOTrainer says when a tool returned an image. `images.refuse_images_in_async_prompts`:
+    TRL's rollout worker renders each prompt with the tokenizer and sends the server token ids alone."""
+    from trl.experimental.async_grpo import async_rollout_worker
+
+    sync = source(VLLMGeneration.sync_weights)
+    assert "self.llm.reset_prefix_cache()" in sync and "encoder_cache" not in sync
+    assert params(GRPOTrainer._generate_single_turn)[-1] == "has_tool_images"
+    worker = inspect.getsource(async_rollout_worker)
+    assert "self.tokenizer.apply_chat_template(" in worker and "multi_modal_data" not in worker
+    assert "images" not in params(async_rollout_worker._AsyncRolloutLoop._generate_one_turn)

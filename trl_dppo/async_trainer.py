@@ -49,6 +49,7 @@ from .diagnostics import (
     trust_region_sums,
 )
 from .divergence import binary_divergence, trust_region_mask
+from .images import refuse_images_in_async_prompts
 from .losses import loss_from_weights
 from .sequences import SequenceLayout
 from .server_watch import ServerWatch
@@ -199,6 +200,7 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
                 f"AsyncDPPOTrainer needs an AsyncDPPOConfig, got {type(args).__name__}: pass an AsyncDPPOConfig (it "
                 "takes every AsyncGRPOConfig field, plus DPPO's trust region)."
             )
+        refuse_images_in_async_prompts(train_dataset)
         with _peak_flops_unknown_without_cuda():
             super().__init__(
                 model,

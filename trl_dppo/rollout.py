@@ -41,6 +41,7 @@ __all__ = [
     "record_vllm_flat_logprobs",
     "record_vllm_logprobs",
     "replaced_attribute",
+    "resetting_encoder_cache",
     "sync_weights_in_place",
 ]
 
@@ -459,7 +460,28 @@ def sync_weights_in_place(vllm_generation) -> None:
     unmerges them after its last item; each tensor is copied as it is yielded, because vLLM may hold a layer's tensors
     until the layer is complete, by which time the live tensors would be unmerged again.
     """
-    runner = vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner
+    llm = vllm_generation.llm
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
     weights = ((name, tensor.detach().clone()) for name, tensor in vllm_generation._iter_named_params())
     runner.reload_weights(weights_iterator=weights)
-    vllm_generation.llm.reset_prefix_cache()
+    # `reload_weights` empties the runner's image caches but not the scheduler's and the front end's records of them,
+    # so the next image prompt would find neither ("Encoder cache miss"): all are emptied together
+    llm.reset_mm_cache()
+    llm.llm_engine.reset_encoder_cache()
+    llm.reset_prefix_cache()
+
+
+def resetting_encoder_cache(sync_weights: Callable, llm) -> Callable:
+    """Wrap a colocated engine's weight sync (TRL's) so that vLLM's encoder cache is emptied after it.
+
+    vLLM keeps each image's vision-tower output, keyed by the image alone, for reuse by later requests; TRL's sync
+    resets the prefix cache only, so an image seen again after an update whose weights reach the vision tower or the
+    connector would be embedded with the old weights while the trainer's pi uses the new ones: a wrong mu.
+    """
+
+    @functools.wraps(sync_weights)
+    def wrapped(*args, **kwargs):
+        sync_weights(*args, **kwargs)
+        llm.llm_engine.reset_encoder_cache()
+
+    return wrapped

@@ -55,6 +55,7 @@ from .config import DPPOConfig
 from .corrections import apply_corrections
 from .diagnostics import TrustRegionDiagnostics, reduce_dppo_metrics
 from .divergence import binary_divergence, topk_divergence, trust_region_mask
+from .images import refuse_images_in_server_mode, refuse_tool_images
 from .moe import (
     RouteReplay,
     RoutingRecorder,
@@ -70,6 +71,7 @@ from .rollout import (
     record_vllm_flat_logprobs,
     record_vllm_logprobs,
     recording_generate,
+    resetting_encoder_cache,
     sync_weights_in_place,
 )
 from .server_watch import ServerWatch
@@ -188,6 +190,8 @@ class DPPOTrainer(GRPOTrainer):
             )
         if args.use_vllm and args.vllm_mode == "colocate":
             refuse_moe_on_vllm_cpu_colocate(model, args.model_init_kwargs)
+        if args.use_vllm and args.vllm_mode == "server":
+            refuse_images_in_server_mode(train_dataset)
         super().__init__(
             model,
             reward_funcs,
@@ -284,8 +288,12 @@ class DPPOTrainer(GRPOTrainer):
 
             if current_platform.is_cpu():
                 backend.sync_weights = functools.partial(sync_weights_in_place, backend)
+            elif backend.llm.llm_engine.model_config.is_multimodal_model:
+                backend.sync_weights = resetting_encoder_cache(backend.sync_weights, backend.llm)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if has_tool_images:
+            refuse_tool_images()
         if self.use_vllm:  # the wrapped backend already returns the sampler's records
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
