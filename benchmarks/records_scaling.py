@@ -35,6 +35,7 @@ new tokens, with no recorder, the binary recorder and the top-K recorder, interl
 
     .venv/bin/python benchmarks/records_scaling.py --out benchmarks/results/records_scaling
     .venv/bin/python benchmarks/records_scaling.py --backends 'vllm colocate' --model-repeats 0  # rerun some rows
+    .venv/bin/python benchmarks/records_scaling.py --backends 'transformers R3' --model-repeats 0  # the routing rows
     .venv/bin/python benchmarks/records_scaling.py --backends --model-repeats 5  # rerun the generation part alone
 """
 
@@ -563,7 +564,7 @@ def write(rows, generation, out: Path, commands: list[str]) -> None:
         "transformers R3": (0, (3, 1, 1, 1, 1, 1)),
     }
     colors = {"binary": "tab:blue", "top-20": "tab:orange", "top-20 vs TRL logprobs=0": "tab:red"}
-    colors.update(zip((f"binary + routes, {shape}" for shape in MOE_SHAPES), ("tab:green", "tab:purple")))
+    colors.update(zip((f"binary + routes, {shape}" for shape in MOE_SHAPES), ("tab:green", "tab:purple"), strict=True))
     for backend, mode in dict.fromkeys((r["backend"], r["mode"]) for r in rows):
         sel = [r for r in rows if r["backend"] == backend and r["mode"] == mode]
         x, style, color = [r["tokens"] for r in sel], styles[backend], colors[mode]

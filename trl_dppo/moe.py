@@ -132,7 +132,10 @@ class RoutingRecorder:
             calls, self._indices[layer] = self._indices[layer], []
             routes[:, :, layer] = torch.cat([call.view(batch, -1, call.size(-1)) for call in calls], dim=1)
             del calls
-        counts = [max(len(prompt) + len(completion) - 1, 0) for prompt, completion in zip(prompt_ids, completion_ids)]
+        counts = [
+            max(len(prompt) + len(completion) - 1, 0)
+            for prompt, completion in zip(prompt_ids, completion_ids, strict=True)
+        ]
         per_sequence = []
         for prompt, completion, count, row in zip(prompt_ids, completion_ids, counts, routes, strict=True):
             start = prompt_width - len(prompt)
@@ -143,7 +146,9 @@ class RoutingRecorder:
                 )
             per_sequence.append(row[start : start + count])
         # Every token of every sequence in one pass, then each sequence's last one dropped
-        lengths = np.array([len(prompt) + len(completion) for prompt, completion in zip(prompt_ids, completion_ids)])
+        lengths = np.array(
+            [len(prompt) + len(completion) for prompt, completion in zip(prompt_ids, completion_ids, strict=True)]
+        )
         sequences = itertools.chain.from_iterable(zip(prompt_ids, completion_ids, strict=True))
         flat = np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int64, count=int(lengths.sum()))
         flat = np.delete(flat, (np.cumsum(lengths) - 1)[lengths > 0])
