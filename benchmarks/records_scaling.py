@@ -23,11 +23,19 @@ Time: best of `--repeats` runs, alternating TRL and DPPO. Memory, per token: the
 during the path above where it started (Linux's VmHWM, reset before the path: Python, numpy and torch alike), plus the
 records that exist before it (the recorder's buffers); and the bytes the batch tensors keep.
 
+Routing rows (router replay, R3, on transformers generation; binary): DPPO's path is the binary transformers path
+above plus what the routing recorder's forward hooks keep during `generate()` (the hook called as a router returns its
+top-k indices, int64: one `(B * P, k)` prefill call per layer, then one `(B, k)` call per layer per decoding step),
+`RoutingRecorder.sequence_routes`, `SamplerRecords.add_routes` and `batch_routes`; TRL's reference is the binary
+transformers one (TRL keeps no routes). Shapes: the tests' tiny MoE (2 layers, k = 2) and Qwen3-30B-A3B (48, k = 8);
+prompts of 16 to 64 tokens, left-padded to 64.
+
 Part 2, the recorder in real generation: `generate()` on SmolLM2-135M (the offline default model) at batch 64 x 256
 new tokens, with no recorder, the binary recorder and the top-K recorder, interleaved, `--model-repeats` times each.
 
     .venv/bin/python benchmarks/records_scaling.py --out benchmarks/results/records_scaling
     .venv/bin/python benchmarks/records_scaling.py --backends 'vllm colocate' --model-repeats 0  # rerun some rows
+    .venv/bin/python benchmarks/records_scaling.py --backends 'transformers R3' --model-repeats 0  # the routing rows
     .venv/bin/python benchmarks/records_scaling.py --backends --model-repeats 5  # rerun the generation part alone
 """
 
@@ -57,6 +65,7 @@ from trl.generation.vllm_client import VLLMClient  # noqa: E402
 from trl.generation.vllm_generation import extract_logprobs  # noqa: E402
 from trl.trainer.utils import pad  # noqa: E402
 
+from trl_dppo.moe import RoutingRecorder  # noqa: E402
 from trl_dppo.records import SamplerRecords  # noqa: E402
 from trl_dppo.rollout import (  # noqa: E402
     SamplerLogprobRecorder,
@@ -305,6 +314,65 @@ def dppo_transformers(data, topk):
     return to_batch(records, logprobs, completions)
 
 
+# MoE shapes of the routing rows: MoE layers, experts, top-k
+MOE_SHAPES = {"tiny MoE (2 layers, k = 2)": (2, 4, 2), "Qwen3-30B-A3B (48 layers, k = 8)": (48, 128, 8)}
+PROMPT_WIDTH = 64  # the routing rows' prompts: 16 to 64 tokens, left-padded to the longest
+ROUTER_OUTPUTS = 16  # distinct decoding-step router outputs per layer, reused in turn (their values cost nothing)
+
+
+def routing_data(tokens: int, topk: int, shape: str):
+    """The binary recorder's buffers and completions, and what the routers return during `generate()` for them: a
+    prefill over the left-padded prompts `(B * P, k)` int64 per layer, then `(B, k)` per layer per decoding step."""
+    (buffers, completion_ids), _ = buffers_data(tokens, topk)
+    layers, experts, k = MOE_SHAPES[shape]
+    gen = torch.Generator().manual_seed(1)
+    batch = len(completion_ids)
+    lengths = torch.randint(16, PROMPT_WIDTH + 1, (batch,), generator=gen)
+    lengths[0] = PROMPT_WIDTH
+    prompt_ids = [torch.randint(VOCAB, (int(n),), generator=gen).tolist() for n in lengths]
+    prompts = pad([torch.tensor(ids) for ids in prompt_ids], padding_value=0, padding_side="left")
+    prompt_mask = torch.arange(PROMPT_WIDTH) >= PROMPT_WIDTH - lengths[:, None]
+    routers = SimpleNamespace(
+        layers=layers,
+        prefill=[torch.randint(experts, (batch * PROMPT_WIDTH, k), generator=gen) for _ in range(layers)],
+        steps=[torch.randint(experts, (batch, k), generator=gen) for _ in range(ROUTER_OUTPUTS)],
+        prompt_ids=prompt_ids,
+        prompts=prompts,
+        prompt_mask=prompt_mask.long(),
+    )
+    return (buffers, completion_ids, routers), completion_ids
+
+
+def trl_transformers_routing(data, topk):
+    (buffers, completion_ids, _), completions = data
+    return trl_transformers(((buffers, completion_ids), completions), topk)
+
+
+def dppo_transformers_routing(data, topk):
+    """The binary transformers path with router replay: the routing recorder's hook calls as `generate()` makes them
+    (`_generate_single_turn`), its routes cut per completion into the store, then the batch's routes."""
+    (buffers, completion_ids, routers), completions = data
+    routing = RoutingRecorder([None] * routers.layers)  # the hooks' own work; registering them is not timed
+    for layer in range(routers.layers):
+        routing._read(layer, None, None, (None, None, routers.prefill[layer]))
+    for step in range(SEQ_LEN - 1):  # the last sampled token is never forwarded
+        for layer in range(routers.layers):
+            routing._read(layer, None, None, (None, None, routers.steps[(step + layer) % ROUTER_OUTPUTS]))
+    recorder = SamplerLogprobRecorder(topk)
+    recorder._buffers, recorder.steps = dict(buffers), buffers["sampled"].size(1)
+    records = SamplerRecords(topk=topk)
+    records.add_routes(*routing.sequence_routes(routers.prompt_ids, completion_ids))
+    logprobs = recorder.finish(completion_ids, records)
+    batch = to_batch(records, logprobs, completions)
+    return [*batch, records.batch_routes(routers.prompts, routers.prompt_mask, completions)]
+
+
+def fresh_routing_buffers(data, topk):
+    (buffers, completion_ids, routers), completions = data
+    ((buffers, completion_ids), _) = fresh_buffers(((buffers, completion_ids), completions), topk)
+    return (buffers, completion_ids, routers), completions
+
+
 LIBC = ctypes.CDLL("libc.so.6")
 
 
@@ -380,6 +448,8 @@ CASES = [
      dppo_colocate, fresh_flat_outputs),
     ("transformers", "binary", 0, buffers_data, trl_transformers, dppo_transformers, fresh_buffers),
     ("transformers", "top-20", 20, buffers_data, trl_transformers, dppo_transformers, fresh_buffers),
+    *(("transformers R3", f"binary + routes, {shape}", 0, lambda n, k, shape=shape: routing_data(n, k, shape),
+       trl_transformers_routing, dppo_transformers_routing, fresh_routing_buffers) for shape in MOE_SHAPES),
 ]  # fmt: skip
 
 
@@ -392,7 +462,7 @@ def scaling(sizes: list[int], repeats: int, backends: list[str]) -> list[dict]:
             raw, completion_ids = make(tokens, topk)
             data = (raw, completion_tensor(completion_ids))
             # transformers: the recorder's buffers exist before the path; TRL would hold the sampled floats only
-            buffers = raw[0] if backend == "transformers" else {}
+            buffers = raw[0] if backend.startswith("transformers") else {}
             held = {
                 "trl": sum(t.nbytes for k, t in buffers.items() if k == "sampled"),
                 "dppo": sum(t.nbytes for t in buffers.values()),
@@ -421,7 +491,7 @@ def scaling(sizes: list[int], repeats: int, backends: list[str]) -> list[dict]:
             row["extra_kept_bytes_per_token"] = row["dppo_kept_bytes_per_token"] - row["trl_kept_bytes_per_token"]
             rows.append(row)
             print(
-                f"{backend:13s} {row['mode']:7s} {tokens:>8d} tokens: TRL {row['trl_s']:.3f} s, DPPO "
+                f"{backend:15s} {row['mode']:7s} {tokens:>8d} tokens: TRL {row['trl_s']:.3f} s, DPPO "
                 f"{row['dppo_s']:.3f} s ({row['time_ratio']:.2f}x); {row['trl_bytes_per_token']:.0f} vs "
                 f"{row['dppo_bytes_per_token']:.0f} B/token peak ({row['extra_bytes_per_token']:+.0f}), batch "
                 f"tensors {row['extra_kept_bytes_per_token']:+.0f} B/token",
@@ -486,8 +556,15 @@ def write(rows, generation, out: Path, commands: list[str]) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    styles = {"vllm": "-", "vllm server": (0, (5, 1, 1, 1)), "vllm colocate": "-.", "transformers": "--"}
+    styles = {
+        "vllm": "-",
+        "vllm server": (0, (5, 1, 1, 1)),
+        "vllm colocate": "-.",
+        "transformers": "--",
+        "transformers R3": (0, (3, 1, 1, 1, 1, 1)),
+    }
     colors = {"binary": "tab:blue", "top-20": "tab:orange", "top-20 vs TRL logprobs=0": "tab:red"}
+    colors.update(zip((f"binary + routes, {shape}" for shape in MOE_SHAPES), ("tab:green", "tab:purple"), strict=True))
     for backend, mode in dict.fromkeys((r["backend"], r["mode"]) for r in rows):
         sel = [r for r in rows if r["backend"] == backend and r["mode"] == mode]
         x, style, color = [r["tokens"] for r in sel], styles[backend], colors[mode]

@@ -20,10 +20,12 @@ lays them out like the batch (`sampler_routes`), and the loss's forward replays 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .rollout import replaced_attribute
@@ -114,26 +116,43 @@ class RoutingRecorder:
         self, prompt_ids: list[list[int]], completion_ids: list[list[int]]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per completion, the tokens `generate()` forwarded for it `(n,)` (its prompt, then its completion but the last
-        token, which no forward took as input) and their routes `(n, layers, k)` int16; clears the recorder."""
+        token, which no forward took as input) and their routes `(n, layers, k)` int16; clears the recorder.
+
+        The routes are laid out once, `(B, forwarded positions, layers, k)`, a layer at a time (each layer's records are
+        freed as it is laid out), and each completion's are a view of them; the tokens are read in one pass over the
+        lists, and each completion's are a view of them: no Python object is made per token."""
         batch = len(prompt_ids)
         if not self._indices[0]:
             raise RuntimeError("No router ran during generate(): there is no routing to replay.")
-        prompt_width = self._indices[0][0].size(0) // batch  # the prefill's left-padded prompts
-        layers = [torch.cat([call.view(batch, -1, call.size(-1)) for call in calls], dim=1) for calls in self._indices]
-        routes = torch.stack(layers, dim=2)  # (B, forwarded positions, layers, k)
-        self._indices = [[] for _ in self.routers]
-        tokens, per_sequence = [], []
-        for prompt, completion, row in zip(prompt_ids, completion_ids, routes, strict=True):
-            sequence = list(prompt) + list(completion)
-            start, count = prompt_width - len(prompt), len(sequence) - 1
+        first = self._indices[0][0]
+        prompt_width = first.size(0) // batch  # the prefill's left-padded prompts
+        positions = sum(call.size(0) for call in self._indices[0]) // batch
+        routes = torch.empty(batch, positions, len(self.routers), first.size(-1), dtype=torch.int16)
+        for layer in range(len(self.routers)):
+            calls, self._indices[layer] = self._indices[layer], []
+            routes[:, :, layer] = torch.cat([call.view(batch, -1, call.size(-1)) for call in calls], dim=1)
+            del calls
+        counts = [
+            max(len(prompt) + len(completion) - 1, 0)
+            for prompt, completion in zip(prompt_ids, completion_ids, strict=True)
+        ]
+        per_sequence = []
+        for prompt, completion, count, row in zip(prompt_ids, completion_ids, counts, routes, strict=True):
+            start = prompt_width - len(prompt)
             if start < 0 or start + count > row.size(0):
                 raise RuntimeError(
                     f"generate() forwarded {row.size(0)} positions, fewer than a prompt of {len(prompt)} and a "
                     f"completion of {len(completion)} tokens need: its routes cannot be laid out per completion."
                 )
-            tokens.append(torch.tensor(sequence[:count], dtype=torch.int64))
             per_sequence.append(row[start : start + count])
-        return tokens, per_sequence
+        # Every token of every sequence in one pass, then each sequence's last one dropped
+        lengths = np.array(
+            [len(prompt) + len(completion) for prompt, completion in zip(prompt_ids, completion_ids, strict=True)]
+        )
+        sequences = itertools.chain.from_iterable(zip(prompt_ids, completion_ids, strict=True))
+        flat = np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int64, count=int(lengths.sum()))
+        flat = np.delete(flat, (np.cumsum(lengths) - 1)[lengths > 0])
+        return list(torch.from_numpy(flat).split(counts)), per_sequence
 
 
 @dataclass
