@@ -7,7 +7,7 @@ changes none of them. pip reads PyPI alone, as on a user's machine: this machine
 wheel of the CPU torch, a constraint capping torch at 2.14.1) is left out. A vLLM check asks for the wheel's `[vllm]` extra with one vLLM minor release and records the
 torch and transformers pip picks (each vLLM release pins one torch). Exits 1 if anything that should resolve does not.
 
-Usage: python scripts/check_resolution.py dist/trl_dppo-VERSION-py3-none-any.whl [--write docs/resolution.md]
+Usage: python scripts/check_resolution.py dist/trl_dppo-VERSION-py3-none-any.whl [--vllm] [--write docs/resolution.md]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +60,7 @@ class Check:
     error: str = ""
 
 
-def checks() -> list[Check]:
+def checks(with_vllm: bool) -> list[Check]:
     user = {"torch": "2.11.0", "transformers": "5.17.0", "accelerate": "1.15.0", "peft": "0.21.2", "trl": "1.16.0"}
     stacks = [
         Check("a TRL user's GPU machine (torch 2.11, CUDA 13)", user),
@@ -68,7 +69,7 @@ def checks() -> list[Check]:
         Check("newest releases, torch 2.15", {**NEWEST, "torch": "2.15.0"}),
     ]
     vllm = [Check(f"vLLM {minor}", {"vllm": f"{minor}.*"}, extra="[vllm]") for minor in VLLM_MINORS]
-    return stacks + vllm
+    return stacks + vllm if with_vllm else stacks
 
 
 def resolve(wheel: Path, check: Check) -> Check:
@@ -110,23 +111,26 @@ def table(results: list[Check]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("wheel", type=Path)
+    # pip's resolver spends about 30 s of CPU on vLLM's dependency tree, per minor: docs/resolution.md records them,
+    # CI checks the user stacks
+    parser.add_argument("--vllm", action="store_true", help="also each vLLM minor release of the [vllm] extra")
     parser.add_argument("--write", type=Path, help="also write the table as a markdown report")
     args = parser.parse_args()
     wheel = args.wheel.resolve()
     # Metadata requests only; a few at once keeps the whole check near the time of its slowest one
     with ThreadPoolExecutor(max_workers=4) as pool:
-        results = list(pool.map(lambda check: resolve(wheel, check), checks()))
+        results = list(pool.map(lambda check: resolve(wheel, check), checks(args.vllm)))
     report = table(results)
     print(report)
     if args.write:
-        header = (
-            "# What pip resolves next to the wheel\n\n"
-            f"Written by `python scripts/check_resolution.py {wheel.name} --write {args.write}` (pip's resolver, a dry "
-            "run on PyPI's metadata; `.ci/run` runs the same checks). A pinned stack resolves only if installing "
-            "the wheel into it changes none of its versions. A vLLM row shows the torch and transformers pip picks "
-            "beside that vLLM minor release.\n\n"
+        about = (
+            f"Written by `python scripts/check_resolution.py {wheel.name}{' --vllm' if args.vllm else ''} --write "
+            f"{args.write}` (pip's resolver, a dry run on PyPI's metadata; `.ci/run` checks the pinned stacks). A "
+            "pinned stack resolves only if installing the wheel into it changes none of its versions. A vLLM row "
+            "shows the torch and transformers pip picks beside that vLLM minor release."
         )
-        args.write.write_text(header + report + "\n")
+        header = "# What pip resolves next to the wheel\n\n" + textwrap.fill(about, 119, break_on_hyphens=False)
+        args.write.write_text(f"{header}\n\n{report}\n")
     failed = [check.name for check in results if check.error]
     if failed:
         print(f"\ndoes not resolve: {', '.join(failed)}", file=sys.stderr)
