@@ -403,8 +403,8 @@ def no_nccl_weight_transfer(monkeypatch):
 
 def require_vllm() -> None:
     """Skip the calling test module without vLLM, except in CI (CI=true), where a missing vLLM fails it, unless the
-    environment was built without vLLM on purpose and says so with TRL_DPPO_WITHOUT_VLLM=1 (.ci/run's newest-releases
-    run)."""
+    environment was built without vLLM on purpose and says so with TRL_DPPO_WITHOUT_VLLM=1 (.ci/run's newest- and
+    oldest-releases runs)."""
     try:
         importlib.import_module("vllm")
     except ImportError as error:
