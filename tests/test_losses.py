@@ -187,6 +187,7 @@ def test_every_method_gives_finite_weights_and_gradients_through_a_model_at_extr
         advantages=advantages,
         divergence=binary_divergence(sampler, logps.detach(), "tv"),
         anchor_logps=logps.detach(),
+        loss_mask=torch.ones_like(logps, dtype=torch.bool),  # one completion per row, as the trainers pass it
     )
     shared = dict(delta_low=0.15, delta_high=0.15, epsilon_low=0.2, epsilon_high=0.28)
     trust_region = TRUST_REGIONS[method]
