@@ -258,9 +258,7 @@ def refuse_moe_on_vllm_cpu_colocate(model, model_init_kwargs: dict | None) -> No
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(model, str):
-        config = AutoConfig.from_pretrained(
-            model, **{k: v for k, v in (model_init_kwargs or {}).items() if k == "revision"}
-        )
+        config = AutoConfig.from_pretrained(model, revision=(model_init_kwargs or {}).get("revision"))
     else:
         config = getattr(model, "config", None)
     if not isinstance(config, PretrainedConfig) or not is_moe(config):
