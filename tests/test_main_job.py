@@ -14,6 +14,8 @@ import pytest
 from trl_dppo.jobs.arithmetic import arithmetic_dataset, exact_answer_reward, extract_final_number
 from trl_dppo.jobs.script_utils import summarize_log_history
 
+from .conftest import free_port
+
 
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY_KEYS = {"reward_first", "reward_last", "steps", "masked_fraction_mean", "model", "seed", "runtime_s"}
@@ -88,7 +90,7 @@ def test_math_script_under_accelerate_with_two_processes(tiny_model_dir: str, tm
     command = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", str(REPO / "examples/accelerate_configs/cpu_2proc.yaml"),
-        "--main_process_port", "29533",
+        "--main_process_port", str(free_port()),  # CI runs two suites at once
         str(REPO / "examples/dppo_math_lora.py"),
         "--config", str(config),
         "--model_name_or_path", tiny_model_dir,

@@ -12,12 +12,14 @@ anyway: at learning rate 0 the server's weights are the trainer's.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weights are reloaded in place
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the tests need little
 
 import pytest
+import torch
 
 from trl_dppo.jobs.local_server import free_loopback_port, running_server
 
@@ -93,6 +95,40 @@ def test_a_tiny_moe_trains_on_a_colocated_engine_with_mu_the_samplers_after_each
             assert inputs["sampler_kept_ids"].shape[-1] == 6
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert all(log["aux_loss"] > 0 and log["mismatch/missing_sampler_logps"] == 0 for log in logs)
+
+
+def test_a_reload_prepacks_the_cpu_experts_after_vllms_own_processing_and_refuses_experts_it_does_not_know():
+    """`rollout.prepacking_cpu_experts_on_reload` on stand-in layers (no engine): the experts' prepacking runs after
+    each MoE method's own processing during the reload only; another experts class stops the sync."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    from trl_dppo.rollout import prepacking_cpu_experts_on_reload
+
+    calls = []
+
+    class Experts(CPUUnquantizedExperts):
+        def __init__(self):  # the stand-in needs none of vLLM's kernel set-up
+            pass
+
+        def process_weights_after_loading(self, layer):
+            calls.append("prepack")
+
+    class Method:
+        def __init__(self, experts):
+            self.moe_kernel = SimpleNamespace(fused_experts=experts)
+
+        def process_weights_after_loading(self, layer):
+            calls.append("vLLM's processing")
+
+    layer = torch.nn.Module()
+    layer.quant_method = Method(Experts())
+    with prepacking_cpu_experts_on_reload(layer):
+        layer.quant_method.process_weights_after_loading(layer)
+    layer.quant_method.process_weights_after_loading(layer)  # after the reload, vLLM's own again
+    assert calls == ["vLLM's processing", "prepack", "vLLM's processing"]
+    layer.quant_method = Method(object())
+    with pytest.raises(NotImplementedError, match="has not checked these"), prepacking_cpu_experts_on_reload(layer):
+        pass
 
 
 @pytest.fixture(scope="module")
