@@ -38,8 +38,9 @@ KEPT_METRICS = (
     "trust_region/masked_fraction",
     "diagnostics/bad_update_fraction",
 )
-# Per-bucket token counts by the sampler's probability (`log_tokens_by_mu`): where a trust region blocks
-KEPT_PREFIXES = ("tokens_by_mu/",)
+# Per-bucket token counts by the sampler's probability (`log_tokens_by_mu`): where a trust region blocks; and what each
+# stacked correction removed (`trust_region_corrections`)
+KEPT_PREFIXES = ("tokens_by_mu/", "corrections/")
 
 Log = Sequence[Mapping[str, Any]]
 
