@@ -257,7 +257,9 @@ def geometric_sequence_mask(
     """A sequence-level mask on the geometric-mean ratio: a completion whose per-token ratios average (in log space)
     outside [log low, log high] is dropped whole. Unlike the product of ratios it does not grow with length; verl's
     preset is [0.999, 1.001] against a recomputed pi_old, the default here is [0.99, 1.01] against the sampler (a
-    gap of 1% per token), which lets the bf16 mismatch through and drops completions that drifted as a whole."""
+    gap of 1% per token). A bf16 sampler's rounding alone can leave it on short completions: on the ladder study
+    (vLLM bf16, fp32 trainer, at most 32 tokens) it dropped 26-29% of the tokens right after a weight sync and 54-56% on
+    stale steps (`benchmarks/results/stability/`); widen `low`/`high` there."""
     mask = x.sequences("the correction 'geometric_sequence_mask'")
     mean_log_ratio = _sequence_mean(_log_ratio(x), mask)
     outside = (mean_log_ratio < torch.log(torch.tensor(low, dtype=torch.float64))) | (
