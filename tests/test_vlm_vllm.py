@@ -31,19 +31,23 @@ require_vllm()
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def colocate_run(vlm_model_dir, tmp_path_factory):
-    trainer = vlm_trainer(
-        tmp_path_factory.mktemp("vlm-vllm"),
-        vlm_model_dir,
+def colocated_lr0_trainer(tmp_path, model_dir, divergence: str, max_steps: int):
+    return vlm_trainer(
+        tmp_path,
+        model_dir,
         use_vllm=True,
         vllm_mode="colocate",
         vllm_max_model_length=256,
         vllm_gpu_memory_utilization=0.3,
-        divergence="topk_tv",
+        divergence=divergence,
         learning_rate=0.0,
-        max_steps=2,
+        max_steps=max_steps,
     )
+
+
+@pytest.fixture(scope="module")
+def colocate_run(vlm_model_dir, tmp_path_factory):
+    trainer = colocated_lr0_trainer(tmp_path_factory.mktemp("vlm-vllm"), vlm_model_dir, "topk_tv", max_steps=2)
     seen = spy_on_trust_region(trainer)
     trainer.train()  # the second generation follows a weight sync: before the fix, "Encoder cache miss"
     return trainer, seen
@@ -96,17 +100,7 @@ def test_at_learning_rate_0_mu_is_the_bf16_samplers_probability_after_the_image_
 
 
 def test_binary_dppo_on_image_prompts_records_mu_right_at_learning_rate_0(vlm_model_dir, tmp_path):
-    trainer = vlm_trainer(
-        tmp_path,
-        vlm_model_dir,
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_max_model_length=256,
-        vllm_gpu_memory_utilization=0.3,
-        divergence="binary_tv",
-        learning_rate=0.0,
-        max_steps=1,
-    )
+    trainer = colocated_lr0_trainer(tmp_path, vlm_model_dir, "binary_tv", max_steps=1)
     seen = spy_on_trust_region(trainer)
     trainer.train()
     ((mu, pi, mask, inputs),) = seen

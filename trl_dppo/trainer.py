@@ -283,11 +283,12 @@ class DPPOTrainer(GRPOTrainer):
         if backend.mode == "colocate":
             from vllm.platforms import current_platform
 
-            if backend.llm.llm_engine.model_config.is_multimodal_model:
+            multimodal = backend.llm.llm_engine.model_config.is_multimodal_model
+            if multimodal:
                 backend.llm.generate = feeding_vllm_unexpanded_images(backend.llm.generate, self.processing_class)
             if current_platform.is_cpu():
                 backend.sync_weights = functools.partial(sync_weights_in_place, backend)
-            elif backend.llm.llm_engine.model_config.is_multimodal_model:
+            elif multimodal:
                 backend.sync_weights = resetting_encoder_cache(backend.sync_weights, backend.llm)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
