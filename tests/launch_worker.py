@@ -4,16 +4,19 @@ process and compares the update with one process's on the same global batch.
 
     python tests/launch_worker.py SPEC_FILE OUT_FILE
 
-SPEC_FILE (JSON) holds `model_dir`, `runs` (name -> DPPOConfig overrides: the generation backend and the divergence)
-and, with `replay`, the path of an earlier run's results: then every run trains on that run's global generation batch
-in one process instead of generating (`_generate_and_score_completions` returns it), which is one process's update
-of the same batch. The main process saves, per run: each process's (mu, pi, loss mask) from the loss, the global
-generation batch (the processes' rows in process order), the trainable parameters before the step and the update.
+SPEC_FILE (JSON) holds `model_dir`, `runs` (name -> DPPOConfig overrides: the generation backend, the divergence,
+`max_steps`; and `"lora": false` for full fine-tuning) and, with `replay`, the path of an earlier run's results: then
+every run trains on that run's global generation batches in one process instead of generating
+(`_generate_and_score_completions` returns them step by step), which is one process's update of the same batches.
+The main process saves, per run: each process's (mu, pi, loss mask) from each step's loss, the global generation
+batch of each step (the processes' rows in process order), the trainable parameters before training and the update
+(under ZeRO-3, which partitions the parameters, both read gathered).
 With `expect_error`, each process instead saves the error its trainer raised at start (`OUT_FILE.rank<i>`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -100,11 +103,22 @@ def stack_rows(batches: list[dict]) -> dict:
     return stacked
 
 
+def gathered(parameters: dict) -> contextlib.AbstractContextManager:
+    """Under ZeRO-3 each process holds a shard of each parameter: gather them whole to read (no-op otherwise)."""
+    if any(hasattr(p, "ds_id") for p in parameters.values()):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(parameters.values()))
+    return contextlib.nullcontext()
+
+
 def train(name: str, settings: dict, spec: dict, out_file: str) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     set_seed(0)  # the LoRA initialisation
+    settings = dict(settings)
+    lora = settings.pop("lora", True)
     replay = spec.get("replay")
-    if replay:  # no generation: one process trains the recorded global batch
+    if replay:  # no generation: one process trains the recorded global batches
         settings = {key: value for key, value in settings.items() if not key.startswith("vllm") and key != "use_vllm"}
     trainer = DPPOTrainer(
         model=spec["model_dir"],
@@ -112,13 +126,15 @@ def train(name: str, settings: dict, spec: dict, out_file: str) -> dict:
         args=config(f"{out_file}.runs/{name}", world, settings),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=smollm2_tokenizer(),
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        if lora
+        else None,
     )
     assert trainer.accelerator.num_processes == world, f"{world} processes launched"
     generated = []
     if replay:
-        batch = torch.load(replay)[name]["batch"]
-        trainer._generate_and_score_completions = lambda inputs: dict(batch)
+        batches = iter(torch.load(replay)[name]["batches"])
+        trainer._generate_and_score_completions = lambda inputs: dict(next(batches))
     else:
         generate = trainer._generate_and_score_completions
 
@@ -139,15 +155,25 @@ def train(name: str, settings: dict, spec: dict, out_file: str) -> dict:
 
     trainer._set_trust_region_advantages = spy
     trainable = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
-    before = {n: p.detach().clone() for n, p in trainable.items()}
+    with gathered(trainable):
+        before = {n: p.detach().clone() for n, p in trainable.items()}
     trainer.train()
+    with gathered(trainable):
+        update = {n: p.detach() - before[n] for n, p in trainable.items()}
     by_process = gather_object([{"seen": seen, "generated": generated}])
+    steps = len(by_process[0]["generated"])
     return {
         "num_processes": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        # ZeRO-3: each process holds only its shard of every parameter, the LM head's too (read by top-K)
+        "partitioned": all(hasattr(p, "ds_id") for p in trainer.model.parameters()),
+        "lm_head_local_size": trainer.model.get_output_embeddings().weight.numel(),
         "seen": [process["seen"] for process in by_process],
-        "batch": None if replay else stack_rows([process["generated"][0] for process in by_process]),
+        "batches": None
+        if replay
+        else [stack_rows([process["generated"][step] for process in by_process]) for step in range(steps)],
         "before": before,
-        "update": {n: p.detach() - before[n] for n, p in trainable.items()},
+        "update": update,
         "logs": [entry for entry in trainer.state.log_history if "loss" in entry],
     }
 

@@ -293,7 +293,7 @@ def test_two_processes_replay_their_own_routes_and_make_one_processs_update(moe_
     for seen in run["seen"]:
         ((mu, pi, mask),) = seen
         assert (mu - pi).abs()[mask].max() <= moe_logprob_atol(tokenizer, pi[mask])
-    assert (run["batch"]["sampler_routes"] >= 0).any()
+    assert (run["batches"][0]["sampler_routes"] >= 0).any()
     assert run["logs"][0]["routing/differing_expert_sets"] == 0.0  # fp32 on both sides: the same routes
     # One process's update of the same batch, routes included. Looser than `conftest.assert_updates_agree`'s bound for
     # dense models: in an MoE each expert's matmuls run over the tokens routed to it, a batch-dependent subset (4 rows

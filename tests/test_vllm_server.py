@@ -138,7 +138,7 @@ def test_two_processes_train_against_one_server_with_mu_right_on_each_and_one_pr
             ((mu, pi, mask),) = seen  # before the update: the trainer's weights are the server's
             assert_mu_is_the_bf16_samplers(mu, pi, mask)
         if name.endswith("topk_tv"):
-            batch = two[name]["batch"]
+            (batch,) = two[name]["batches"]
             assert batch["sampler_kept_ids"].shape[-1] == 6  # the server's top 5, then the sampled token
             sampled = batch["sampler_kept_ids"] == batch["completion_ids"][..., None]
             assert (sampled.any(-1) | ~batch["completion_mask"].bool()).all()

@@ -1,0 +1,85 @@
+"""DeepSpeed ZeRO on two CPU processes, for real: `accelerate launch --config_file
+examples/accelerate_configs/cpu_zero3.yaml --zero_stage N` (DeepSpeed's CPU accelerator over gloo, fp32), through
+tests/launch_worker.py as the DDP cells of tests/test_launch_matrix.py.
+
+Under ZeRO-2 and ZeRO-3, for transformers generation binary and top-K, LoRA and full fine-tuning (ZeRO-1: one cell),
+two optimizer steps: mu on each process is the sampler's at the first step (before any update: the trainer's weights
+are the sampler's) and still the sampler's at the second (sampled by the updated, partitioned weights, pi under the
+same weights), and the two steps' update equals the one one process makes from the same global batches. One launch
+per stage runs all its cells; one process replays the three stages' batches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .conftest import assert_updates_agree, require_deepspeed, run_launch_worker, tiny_model_logprob_atol
+
+
+require_deepspeed()
+pytestmark = pytest.mark.slow
+
+CELLS = {
+    "binary_tv-lora": {"divergence": "binary_tv"},
+    "topk_tv-lora": {"divergence": "topk_tv"},
+    "binary_tv-full": {"divergence": "binary_tv", "lora": False},
+    "topk_tv-full": {"divergence": "topk_tv", "lora": False},
+}
+# ZeRO-1 shards the optimizer state only, its gradient reduction is DDP's all-reduce: one cell shows it runs
+STAGES = {1: ["binary_tv-lora"], 2: list(CELLS), 3: list(CELLS)}
+RUNS = [(stage, name) for stage, names in STAGES.items() for name in names]
+
+
+def run_name(stage: int, name: str) -> str:
+    return f"zero{stage}-{name}"
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    """Each stage's runs under two ZeRO processes, then all their batches replayed by one process."""
+    tmp_path = tmp_path_factory.mktemp("zero")
+    two = {}
+    for stage, names in STAGES.items():
+        spec = {"model_dir": tiny_model_dir, "runs": {run_name(stage, n): {**CELLS[n], "max_steps": 2} for n in names}}
+        options = {"accelerate_config": "cpu_zero3.yaml", "launch_flags": ("--zero_stage", str(stage))}
+        two.update(run_launch_worker(tmp_path / f"zero{stage}", spec, 2, **options))
+    torch.save(two, tmp_path / "zero.pt")
+    runs = {run_name(stage, n): {**CELLS[n], "max_steps": 2} for stage, n in RUNS}
+    replay = {"model_dir": tiny_model_dir, "runs": runs, "replay": str(tmp_path / "zero.pt")}
+    return two, run_launch_worker(tmp_path / "1proc", replay, 1)
+
+
+@pytest.mark.parametrize("stage, name", RUNS, ids=[run_name(*run) for run in RUNS])
+def test_each_zero_process_records_the_samplers_mu_before_and_after_an_update(runs, stage, name, tokenizer):
+    run = runs[0][run_name(stage, name)]
+    assert run["num_processes"] == 2 and run["distributed_type"] == "DistributedType.DEEPSPEED"
+    # ZeRO-3 partitions every parameter, the LM head top-K reads included; ZeRO-1/2 keep them whole
+    assert run["partitioned"] == (stage == 3) and (run["lm_head_local_size"] == 0) == (stage == 3)
+    for seen in run["seen"]:
+        assert len(seen) == 2  # one loss per step; step 2 sampled with the weights step 1 updated
+        for mu, pi, mask in seen:
+            # fp32 on both sides, the same (gathered) weights: float reassociation alone
+            torch.testing.assert_close(mu[mask], pi[mask], rtol=0, atol=tiny_model_logprob_atol(tokenizer, pi[mask]))
+            shifted = (mu[:, 1:] - pi[:, :-1]).abs()[mask[:, 1:] & mask[:, :-1]]
+            assert shifted.mean() > 1.0  # a wrong mu (the neighbouring token's) is far beyond that
+    first, second = (seen[0][0] for seen in run["seen"])
+    assert not torch.equal(first, second)  # the processes sampled different rows
+
+
+@pytest.mark.parametrize("stage, name", RUNS, ids=[run_name(*run) for run in RUNS])
+def test_zero_makes_the_update_one_process_makes_from_the_same_batches(runs, stage, name):
+    """ZeRO's reductions, derived for two fp32 processes: ZeRO-1 all-reduces the gradients as DDP does; ZeRO-2
+    reduce-scatters flat gradient buckets and ZeRO-3 reduce-scatters each partitioned gradient, each then averaged.
+    Whatever the order, an element of the reduced gradient is g0 + g1 (commutative, so bitwise one sum) scaled by 1/2
+    before or after (exact in binary floating point), i.e. DDP's value bit for bit; each process's optimizer then
+    applies SGD's p - lr g elementwise to its partition, as DDP does to the whole tensor, and ZeRO-3's gathered
+    forward uses the same fp32 values. So ZeRO's update differs from one process's by what DDP's does: the per-row
+    gradient sums in another order and the two steps' roundings, which `assert_updates_agree` bounds (a gradient
+    averaged twice or over the wrong tokens moves the update by its own size, 1e3 times that bound and more)."""
+    two, one = runs
+    run, replayed = two[run_name(stage, name)], one[run_name(stage, name)]
+    assert replayed["num_processes"] == 1
+    for param, before in run["before"].items():
+        torch.testing.assert_close(replayed["before"][param], before, rtol=0, atol=0)
+    assert_updates_agree(run["before"], replayed["update"], run["update"])
