@@ -32,6 +32,8 @@ OLDEST = {
     "peft": "0.18.0",
     "datasets": "4.7.0",
     "trl": "1.16.0",
+    "numpy": "1.26.4",
+    "huggingface_hub": "1.5.0",
 }
 # The newest releases on PyPI when this list was last raised (scripts/test_latest.sh tests them with torch 2.13,
 # the only CPU build on these machines)

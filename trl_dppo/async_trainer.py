@@ -31,7 +31,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import requests
 import torch
 from accelerate.utils import broadcast_object_list
 from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
@@ -49,6 +48,7 @@ from .diagnostics import (
     trust_region_sums,
 )
 from .divergence import binary_divergence, trust_region_mask
+from .extras import INSTALL_VLLM, require_extra
 from .images import refuse_images_in_async_prompts
 from .losses import loss_from_weights
 from .sequences import SequenceLayout
@@ -200,6 +200,8 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
                 f"AsyncDPPOTrainer needs an AsyncDPPOConfig, got {type(args).__name__}: pass an AsyncDPPOConfig (it "
                 "takes every AsyncGRPOConfig field, plus DPPO's trust region)."
             )
+        if rollout_worker is None:  # TRL's worker samples from a vLLM server through vLLM's client code
+            require_extra("vllm", "AsyncDPPOTrainer's rollout worker", INSTALL_VLLM)
         refuse_images_in_async_prompts(train_dataset)
         with _peak_flops_unknown_without_cuda():
             super().__init__(
@@ -264,7 +266,9 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
     def _sync_weight(self):
         try:
             super()._sync_weight()
-        except requests.ConnectionError as error:  # the server is gone: say so, and how to resume
+        except (
+            OSError
+        ) as error:  # as TRL's `requests.ConnectionError`: if the server is gone, say so and how to resume
             if self._server_watch is not None and not self._server_watch.answers():
                 raise self._server_watch.error() from error
             raise

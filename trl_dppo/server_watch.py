@@ -10,23 +10,35 @@ its generation loop retries or has died on the server, so the trainer waits for 
 
 `ServerWatch` asks the server's `/health` (answered by vLLM's API server even while it generates) and raises
 `VLLMServerUnreachableError`, naming the server and how to resume, once no answer came for `timeout_s`.
+
+The probe is the standard library's `urllib`, not `requests`: `requests` is installed only with TRL's `vllm` extra,
+and `from trl_dppo import DPPOTrainer` must work without it. The errors of TRL's client (`requests.ConnectionError`
+and its kin) derive from `OSError`, so they are told apart from others without importing `requests`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-import requests
 
-
-__all__ = ["ServerWatch", "VLLMServerUnreachableError"]
+__all__ = ["ServerWatch", "VLLMServerUnreachableError", "answers_health"]
 
 # How long one `/health` request may take, and how often a waiting call asks
 PROBE_TIMEOUT_S = 5.0
 POLL_INTERVAL_S = 5.0
+
+
+def answers_health(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether the server at `url` answers `GET /health` with 200 within `timeout_s`."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s) as response:
+            return response.status == 200
+    except OSError:  # refused, reset, timed out, or an HTTP error status (urllib.error.HTTPError)
+        return False
 
 
 class VLLMServerUnreachableError(RuntimeError):
@@ -47,10 +59,7 @@ class ServerWatch:
 
     def answers(self) -> bool:
         """Ask `/health` once; remember since when the server has been silent."""
-        try:
-            answered = requests.get(f"{self.url}/health", timeout=PROBE_TIMEOUT_S).status_code == 200
-        except requests.RequestException:
-            answered = False
+        answered = answers_health(self.url)
         if answered:
             self._silent_since = None
         elif self._silent_since is None:
@@ -76,7 +85,8 @@ class ServerWatch:
         """`fn(*args, **kwargs)`, ended by `VLLMServerUnreachableError` if the server stops answering meanwhile.
 
         `fn` runs in a daemon thread, so a request blocked on a silent server is left behind when the run ends. A
-        connection error from `fn` while the server does not answer becomes the same error.
+        connection error from `fn` (an `OSError`, as `requests.ConnectionError` is) while the server does not answer
+        becomes the same error.
         """
         outcome: dict[str, Any] = {}
 
@@ -95,7 +105,7 @@ class ServerWatch:
             self.check()
         if "error" in outcome:
             error = outcome["error"]
-            if isinstance(error, requests.ConnectionError) and not self.answers():
+            if isinstance(error, OSError) and not self.answers():
                 raise self.error() from error
             raise error
         return outcome["value"]

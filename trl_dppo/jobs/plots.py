@@ -23,9 +23,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from ..extras import INSTALL_EXAMPLES, import_extra
 
 
+matplotlib = import_extra("matplotlib", "Drawing a run's plots", INSTALL_EXAMPLES)
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
