@@ -352,17 +352,12 @@ def free_port() -> int:
 TORCH_DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def launch(
-    script: Path,
-    arguments: list[str],
-    processes: int,
-    timeout_s: int = 900,
-    accelerate_config: str = "cpu_2proc.yaml",
-    launch_flags: tuple[str, ...] = (),
-) -> subprocess.CompletedProcess:
-    """Run a test's worker script in one process (`python`) or in several (`accelerate launch` with
-    examples/accelerate_configs/`accelerate_config`, by default cpu_2proc.yaml: DDP over gloo on the CPU; cpu_zero3.yaml
-    with `launch_flags` ("--zero_stage", "2") for DeepSpeed ZeRO)."""
+def launch_command(
+    script: Path, processes: int, accelerate_config: str = "cpu_2proc.yaml", launch_flags: tuple[str, ...] = ()
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run a test's worker script in one process (`python`) or in several
+    (`accelerate launch` with examples/accelerate_configs/`accelerate_config`, by default cpu_2proc.yaml: DDP over gloo
+    on the CPU; cpu_zero3.yaml with `launch_flags` ("--zero_stage", "2") for DeepSpeed ZeRO)."""
     # A colocated vLLM engine of an earlier test sets torch.distributed's variables in this process (and holds
     # MASTER_PORT): the worker's processes get their own from the launcher, or none
     env = {key: value for key, value in os.environ.items() if key not in TORCH_DISTRIBUTED_ENV}
@@ -377,6 +372,14 @@ def launch(
             *launch_flags,
             str(script),
         ]  # fmt: skip
+    return command, env
+
+
+def launch(
+    script: Path, arguments: list[str], processes: int, timeout_s: int = 900, **launch_options
+) -> subprocess.CompletedProcess:
+    """Run a test's worker script to its end (see `launch_command` for `processes` and `launch_options`)."""
+    command, env = launch_command(script, processes, **launch_options)
     return subprocess.run(command + arguments, capture_output=True, text=True, env=env, timeout=timeout_s)
 
 

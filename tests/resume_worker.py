@@ -1,9 +1,11 @@
 """A short DPPO run (transformers generation, tiny model, LoRA) for tests/test_kill_and_resume.py.
 
     python tests/resume_worker.py MODEL_DIR OUTPUT_DIR MODE
+    accelerate launch --config_file examples/accelerate_configs/cpu_zero3.yaml tests/resume_worker.py ...  # ZeRO-3
 
 MODE `straight` trains 4 steps; `stop_after_checkpoint` saves checkpoint-2, then waits to be killed; `resume` resumes
-from checkpoint-2 and trains to step 4. Every mode appends each logged step to OUTPUT_DIR/steps-MODE.jsonl as it goes.
+from checkpoint-2 and trains to step 4. Every mode appends each logged step to OUTPUT_DIR/steps-MODE.jsonl as it goes
+(the main process: the logged metrics are already reduced over processes).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class StepLog(TrainerCallback):
         self.path = path
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if "loss" in logs:
+        if "loss" in logs and state.is_world_process_zero:
             with open(self.path, "a") as f:
                 f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
 
@@ -43,7 +45,8 @@ class WaitToBeKilled(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == SAVE_STEPS:
-            open(self.marker, "w").close()
+            if state.is_world_process_zero:  # all have saved: DPPOTrainer's save ends in a gather of the counts
+                open(self.marker, "w").close()
             time.sleep(3600)
 
 
@@ -54,6 +57,7 @@ def main(model_dir: str, output_dir: str, mode: str) -> None:
         output_dir=output_dir,
         report_to="none",
         bf16=False,
+        use_cpu=True,  # also what an accelerate launch of several CPU processes needs
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=8,
