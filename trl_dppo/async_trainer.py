@@ -200,9 +200,9 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
                 f"AsyncDPPOTrainer needs an AsyncDPPOConfig, got {type(args).__name__}: pass an AsyncDPPOConfig (it "
                 "takes every AsyncGRPOConfig field, plus DPPO's trust region)."
             )
+        refuse_images_in_async_prompts(train_dataset)
         if rollout_worker is None:  # TRL's worker samples from a vLLM server through vLLM's client code
             require_extra("vllm", "AsyncDPPOTrainer's rollout worker", INSTALL_VLLM)
-        refuse_images_in_async_prompts(train_dataset)
         with _peak_flops_unknown_without_cuda():
             super().__init__(
                 model,

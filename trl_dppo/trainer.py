@@ -188,10 +188,10 @@ class DPPOTrainer(GRPOTrainer):
                 "each would train alone on the whole data. On a machine without GPUs set `use_cpu=True` in DPPOConfig "
                 "(`--use_cpu true`): the processes then train together over gloo."
             )
-        if args.use_vllm:  # before TRL's own refusal, which names TRL's extra
-            require_extra("vllm", f"use_vllm=True (vllm_mode={args.vllm_mode!r})", INSTALL_VLLM)
         if args.use_vllm and args.vllm_mode == "server":
             refuse_images_in_server_mode(train_dataset)
+        if args.use_vllm:  # after the refusals that do not depend on it, before TRL's, which names TRL's extra
+            require_extra("vllm", f"use_vllm=True (vllm_mode={args.vllm_mode!r})", INSTALL_VLLM)
         super().__init__(
             model,
             reward_funcs,
