@@ -71,13 +71,12 @@ from .rollout import (
     record_vllm_flat_logprobs,
     record_vllm_logprobs,
     recording_generate,
-    resetting_encoder_cache,
-    sync_weights_in_place,
 )
 from .server_watch import ServerWatch
 from .topk import check_topk_sharding, check_topk_support, lm_head_kept_logps
 from .trust_regions import TrustRegionInput, get_trust_region
 from .vllm_server import refuse_unprocessed_logprobs
+from .weight_sync import resetting_encoder_cache, sync_weights_in_place
 
 
 if TYPE_CHECKING:
