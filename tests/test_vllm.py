@@ -243,3 +243,29 @@ def test_two_processes_each_with_a_colocated_engine_record_mu_and_make_one_proce
             ((mu, pi, mask),) = seen  # before the update: the trainer's weights are the engine's
             assert_mu_is_the_bf16_samplers(mu, pi, mask)
         assert_updates_agree(two[name]["before"], one[name]["update"], two[name]["update"])
+
+
+def test_vllms_names_and_layers_the_sync_check_reads_are_as_it_assumes():
+    """`weight_sync.WeightSyncCheck` relies on vLLM 0.31: the model's `hf_to_vllm_mapper` stacks q/k/v and gate/up
+    with their shard ids, QKV layers give each shard's rows, the CPU GEMM of a linear layer runs through its
+    `quant_method.apply`, and TRL's iterator yields the names vLLM's loader takes."""
+    import inspect
+
+    from trl.generation.vllm_generation import VLLMGeneration
+    from vllm.model_executor.layers.linear import QKVParallelLinear, UnquantizedLinearMethod
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    mapper = LlamaForCausalLM.hf_to_vllm_mapper
+    assert mapper._map_name_with_shard("model.layers.3.self_attn.k_proj.weight") == (
+        "model.layers.3.self_attn.qkv_proj.weight",
+        "k",
+    )
+    assert mapper._map_name_with_shard("model.layers.3.mlp.up_proj.weight") == (
+        "model.layers.3.mlp.gate_up_proj.weight",
+        1,
+    )
+    assert hasattr(QKVParallelLinear, "_get_shard_offset_mapping") and hasattr(
+        QKVParallelLinear, "_get_shard_size_mapping"
+    )
+    assert "self._gemm_impl(layer, x, layer.weight, bias)" in inspect.getsource(UnquantizedLinearMethod.apply)
+    assert "model_runner.model.load_weights([(name, param)])" in inspect.getsource(VLLMGeneration.sync_weights)
