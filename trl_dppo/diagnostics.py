@@ -84,11 +84,26 @@ METRIC_PREFIXES = (
     "truncation/",
     "corrections/",
     "routing/",
+    "weight_sync/",
 )
 # Of those, the maxima (the window's largest) and the counts (the window's total; also every `tokens_by_mu/*`); every
 # other one is a rate, logged as a (numerator, denominator) pair
-MAXIMA = frozenset({"mismatch/abs_prob_diff_max", "mismatch/at_sync_abs_prob_diff_max", "staleness/lag_max"})
-COUNTS = frozenset({"trust_region/ratio_limited_tokens", "mismatch/missing_sampler_logps"})
+MAXIMA = frozenset(
+    {
+        "mismatch/abs_prob_diff_max",
+        "mismatch/at_sync_abs_prob_diff_max",
+        "staleness/lag_max",
+        "weight_sync/max_abs_diff",
+    }
+)
+COUNTS = frozenset(
+    {
+        "trust_region/ratio_limited_tokens",
+        "mismatch/missing_sampler_logps",
+        "weight_sync/checked_parameters",
+        "weight_sync/mismatched_parameters",
+    }
+)
 
 
 @torch.no_grad()

