@@ -16,6 +16,10 @@ in one small override:
   for the duration of `super()._compute_loss` and cleared after, and takes tokens without a sampler log-probability
   out of the loss.
 
+A non-finite loss, gradient norm or parameter stops training at its optimizer step (`stop_on_non_finite`): the
+`training_step` and `_maybe_log_save_evaluate` of `non_finite.StopOnNonFinite`, a base class shared with
+AsyncDPPOTrainer.
+
 What the trainer logs about its trust region (metrics, masked-token counts) is `diagnostics.py`'s, called once per
 loss; checkpoints carry the masked-token counts through `_save_checkpoint` / `_load_optimizer_and_scheduler`, and
 `log` reduces its metrics over the logging window (rates as sums over sums, maxima, totals) before GRPOTrainer's.
@@ -63,6 +67,7 @@ from .moe import (
     check_router_replay_support,
     generating_without_router_logits,
 )
+from .non_finite import StopOnNonFinite
 from .records import MissingRecordsError, SamplerRecords
 from .rollout import (
     SamplerLogprobRecorder,
@@ -131,7 +136,7 @@ class _LossContext:
     missing_sampler_logps: torch.Tensor  # loss tokens without a sampler log-probability, taken out of the loss
 
 
-class DPPOTrainer(GRPOTrainer):
+class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
     """Divergence Proximal Policy Optimization on top of TRL's [`~trl.GRPOTrainer`].
 
     Takes the same arguments as GRPOTrainer, with `args` a [`DPPOConfig`]. See the module docstring for what differs.
