@@ -1,10 +1,10 @@
 """Stop training at the first optimizer step whose loss, gradient norm or parameters are not finite.
 
-Left alone, transformers trains on through NaN: its `logging_nan_inf_filter` (on by default) replaces a non-finite
-loss in the log by the mean of the window's earlier ones, so the log can read a plausible loss (0 at a window's first
-step) while the weights are NaN (`learning_rate=1e3` on a tiny model: NaN parameters and a logged loss of 0 at step
-2). `StopOnNonFinite` is a base class of both trainers that adds two `super()`-calling overrides of transformers'
-`Trainer`: `training_step` notes whether each micro-batch's loss is finite, and `_maybe_log_save_evaluate`, which the
+Left alone, transformers trains on through NaN (`learning_rate=1e3` on a tiny fully fine-tuned model: NaN gradient
+norm and weights at step 2, a logged loss of 0, and the run ended normally), and its `logging_nan_inf_filter` (on by
+default) logs a non-finite loss as the window's running mean of the earlier ones (0 at the window's first step), so
+the log can look fine. `StopOnNonFinite` is a base class of both trainers that adds two `super()`-calling overrides
+of transformers' `Trainer`: `training_step` notes whether each micro-batch's loss is finite, and `_maybe_log_save_evaluate`, which the
 training loop calls after each optimizer step with the step's gradient norm and before it logs or saves a checkpoint,
 decides for the step. The three flags are summed over processes in one all-reduce, so every process stops at the same
 step (none waits in a collective for one that raised).
