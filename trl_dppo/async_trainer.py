@@ -41,6 +41,7 @@ from trl.trainer.utils import disable_dropout_in_model
 
 from .async_config import AsyncDPPOConfig
 from .corrections import Correction, apply_corrections
+from .datasets_check import check_prompts, first_prompt_rows
 from .diagnostics import (
     RATES,
     correction_metrics,
@@ -205,6 +206,8 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
             )
         if rollout_worker is None:  # TRL's worker samples from a vLLM server through vLLM's client code
             require_extra("vllm", "AsyncDPPOTrainer's rollout worker", INSTALL_VLLM)
+        if environment_factory is None and train_dataset is not None:  # else the environment supplies the prompts
+            check_prompts(*first_prompt_rows(train_dataset), "AsyncDPPOTrainer")
         refuse_images_in_async_prompts(train_dataset)
         with _peak_flops_unknown_without_cuda():
             super().__init__(

@@ -57,6 +57,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from .config import DPPOConfig
 from .corrections import apply_corrections
+from .datasets_check import check_prompt_lengths, check_prompts, first_prompt_rows
 from .diagnostics import TrustRegionDiagnostics, reduce_dppo_metrics
 from .divergence import binary_divergence, topk_divergence, trust_region_mask
 from .extras import INSTALL_VLLM, require_extra
@@ -195,6 +196,11 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
             )
         if args.use_vllm:  # before TRL's own refusal, which names TRL's extra
             require_extra("vllm", f"use_vllm=True (vllm_mode={args.vllm_mode!r})", INSTALL_VLLM)
+        # The environment's `reset()` supplies the prompts where there is one; otherwise each row must have one
+        prompt_rows = None
+        if environment_factory is None and train_dataset is not None:
+            columns, prompt_rows = first_prompt_rows(train_dataset)
+            check_prompts(columns, prompt_rows, "DPPOTrainer")
         if args.use_vllm and args.vllm_mode == "server":
             refuse_images_in_server_mode(train_dataset)
         super().__init__(
@@ -214,6 +220,8 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
             environment_factory=environment_factory,
         )
         check_training_dropout(self.model, args.disable_dropout)  # after GRPOTrainer's `disable_dropout`
+        if prompt_rows and not self.use_vllm and self.rollout_func is None and not self._is_vlm:
+            self._check_prompt_lengths(prompt_rows)
         self.trust_region = get_trust_region(args.trust_region)
         self.trust_region_settings = args.trust_region_settings
         self.trust_region_corrections = args.trust_region_correction_settings
@@ -242,6 +250,13 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
             self._wrap_vllm_backend()
         elif self.rollout_func is None:
             check_recordable_sampling(self.generation_config)
+
+    def _check_prompt_lengths(self, rows: list[dict[str, Any]]) -> None:
+        """On transformers generation (vLLM refuses a prompt longer than its model itself), the first rows' prompts
+        tokenized as GRPOTrainer tokenizes them, against the model's positions (`datasets_check.py`)."""
+        prompt_ids, _, _ = self._tokenize_prompts([row["prompt"] for row in rows])
+        positions = getattr(self._causal_lm().config.get_text_config(), "max_position_embeddings", None)
+        check_prompt_lengths(prompt_ids, self._tokenizer.pad_token_id, positions, self.args.max_completion_length)
 
     def _check_router_replay(self) -> list[torch.nn.Module]:
         """The routers to replay, or an error for a model or a rollout path that cannot replay them."""
