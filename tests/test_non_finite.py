@@ -21,7 +21,7 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 from trl_dppo import AsyncDPPOConfig, AsyncDPPOTrainer
 from trl_dppo.non_finite import NonFiniteTrainingError, non_finite_error
 
-from .conftest import NoWeightTransfer, StubRolloutWorker, length_reward, make_trainer
+from .conftest import REPO, NoWeightTransfer, StubRolloutWorker, launch, length_reward, make_trainer
 
 
 DIVERGING = dict(learning_rate=1e3, max_steps=2, lora=None)
@@ -169,3 +169,15 @@ def test_async_dppo_stops_at_a_nan_loss(tmp_path, tiny_model_dir, tokenizer, pro
     queue_samples(trainer, tokenizer, 8)
     with pytest.raises(NonFiniteTrainingError, match="at optimizer step 1: non-finite loss. No checkpoint saved yet"):
         trainer.train()
+
+
+@pytest.mark.slow
+def test_a_nan_loss_on_one_process_stops_every_process_at_that_step(tmp_path, tiny_model_dir):
+    """Only the second process's loss is NaN, and its gradient finite: the decision is all-reduced, so the first
+    process stops too instead of waiting for the second in the next step's collectives (the launch would time out)."""
+    out = tmp_path / "stopped"
+    done = launch(REPO / "tests" / "non_finite_worker.py", [tiny_model_dir, str(out)], processes=2, timeout_s=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for rank in (0, 1):
+        outcome = (tmp_path / f"stopped.rank{rank}").read_text()
+        assert outcome.startswith("Training stopped at optimizer step 1: non-finite loss. No checkpoint"), outcome
