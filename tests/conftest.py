@@ -253,7 +253,7 @@ def make_trainer(
         args=config_cls(**settings),
         train_dataset=prompts,
         processing_class=tokenizer,
-        peft_config=LoraConfig(**lora) if lora is not None else None,
+        peft_config=LoraConfig(**lora) if lora is not None else None,  # lora=None: full fine-tuning
         **(trainer_kwargs or {}),
     )
 

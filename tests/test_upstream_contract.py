@@ -294,3 +294,19 @@ def test_image_paths_dppo_patches_or_refuses():
     worker = inspect.getsource(async_rollout_worker)
     assert "self.tokenizer.apply_chat_template(" in worker and "multi_modal_data" not in worker
     assert "images" not in params(async_rollout_worker._AsyncRolloutLoop._generate_one_turn)
+
+
+def test_prompt_tokenization_and_the_step_hooks_the_start_and_step_checks_call():
+    """`__init__`'s prompt-length check calls GRPOTrainer's `_tokenize_prompts` (prompts in, token-id lists first
+    out) and no TRL 1.16 option truncates prompts; `StopOnNonFinite` wraps transformers' `training_step` and
+    `_maybe_log_save_evaluate`, which the loop calls after each optimizer step with its gradient norm, before saving."""
+    from transformers import Trainer
+
+    assert params(GRPOTrainer._tokenize_prompts) == ["self", "prompts"]
+    assert "return prompt_ids, images, multimodal_fields" in source(GRPOTrainer._tokenize_prompts)
+    assert "max_prompt_length" not in GRPOConfig.__dataclass_fields__
+    assert params(Trainer._maybe_log_save_evaluate)[:3] == ["self", "tr_loss", "grad_norm"]
+    loop = source(Trainer._run_epoch)  # the optimizer-step loop `_inner_training_loop` runs per epoch
+    assert "self.optimizer.step()" in loop and "self._maybe_log_save_evaluate(" in loop
+    assert loop.index("self.optimizer.step()") < loop.index("self._maybe_log_save_evaluate(")
+    assert "self._save_checkpoint(" in source(Trainer._maybe_log_save_evaluate)

@@ -6,7 +6,12 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from .config import DISABLE_DROPOUT_HELP, TrustRegionArguments, refuse_vllm_truncated_sampling
+from .config import (
+    DISABLE_DROPOUT_HELP,
+    STOP_ON_NON_FINITE_HELP,
+    TrustRegionArguments,
+    refuse_vllm_truncated_sampling,
+)
 from .trust_regions import get_trust_region
 
 
@@ -31,6 +36,8 @@ class AsyncDPPOConfig(TrustRegionArguments, AsyncGRPOConfig):
 
     `disable_dropout` (not a field of AsyncGRPOConfig) is GRPOConfig's, on by default as in [`DPPOConfig`]: the
     trainer zeroes the model's dropout, whose noise would make pi another function than the server's mu.
+    `stop_on_non_finite` is [`DPPOConfig`]'s: training stops at the first step with a non-finite loss, gradient norm or
+    parameter.
     """
 
     _VALID_DICT_FIELDS = AsyncGRPOConfig._VALID_DICT_FIELDS + [
@@ -40,6 +47,8 @@ class AsyncDPPOConfig(TrustRegionArguments, AsyncGRPOConfig):
 
     # AsyncGRPOConfig has no such field and AsyncGRPOTrainer leaves dropout on; AsyncDPPOTrainer applies it
     disable_dropout: bool = field(default=True, metadata={"help": DISABLE_DROPOUT_HELP})
+    # DPPOConfig's field of the same name and help: both trainers stop at a non-finite step (`non_finite.py`)
+    stop_on_non_finite: bool = field(default=True, metadata={"help": STOP_ON_NON_FINITE_HELP})
 
     def __post_init__(self):
         self._resolve_trust_region()

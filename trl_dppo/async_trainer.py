@@ -17,6 +17,8 @@ small override (`docs/overrides.md`; `tests/test_upstream_contract.py` pins what
   step at which each version was published (TRL counts versions on the main process), so a lag counts updates.
 - `log`: reduces DPPO's metrics over the logging window by the synchronous trainer's rule (`diagnostics.py`), TRL's
   own reduction of everything else after it.
+- `training_step`, `_maybe_log_save_evaluate`: a non-finite loss, gradient norm or parameter stops training at its
+  optimizer step (`stop_on_non_finite`; `non_finite.StopOnNonFinite`, shared with DPPOTrainer).
 - `__init__`: refuses a server whose log-probabilities are not those it samples from; where TRL's FlashAttention-3
   kernel is not available (no CUDA, or not loadable), uses an exact PyTorch version of TRL's packed tree attention
   (`tree_attention.py`); on a device without CUDA reads no peak-FLOPs figure (TRL reads it through `torch.cuda`) and
@@ -39,6 +41,7 @@ from trl.trainer.utils import disable_dropout_in_model
 
 from .async_config import AsyncDPPOConfig
 from .corrections import Correction, apply_corrections
+from .datasets_check import check_prompts, first_prompt_rows
 from .diagnostics import (
     RATES,
     correction_metrics,
@@ -51,6 +54,7 @@ from .divergence import binary_divergence, trust_region_mask
 from .extras import INSTALL_VLLM, require_extra
 from .images import refuse_images_in_async_prompts
 from .losses import loss_from_weights
+from .non_finite import StopOnNonFinite
 from .sequences import SequenceLayout
 from .server_watch import ServerWatch
 from .staleness import LAG_BUCKETS, LAG_RATES, lag_rate_name, sums_by_lag, updates_since_sampled
@@ -166,7 +170,7 @@ def _peak_flops_unknown_without_cuda():
         async_grpo_trainer.get_peak_flops_per_device = original
 
 
-class AsyncDPPOTrainer(AsyncGRPOTrainer):
+class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
     """Divergence Proximal Policy Optimization on TRL's asynchronous GRPO trainer (`trl.experimental.async_grpo`).
 
     Takes the same arguments as `AsyncGRPOTrainer`, with `args` an [`AsyncDPPOConfig`]. See the module docstring for
@@ -200,6 +204,8 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
                 f"AsyncDPPOTrainer needs an AsyncDPPOConfig, got {type(args).__name__}: pass an AsyncDPPOConfig (it "
                 "takes every AsyncGRPOConfig field, plus DPPO's trust region)."
             )
+        if environment_factory is None and train_dataset is not None:  # else the environment supplies the prompts
+            check_prompts(*first_prompt_rows(train_dataset), "AsyncDPPOTrainer")
         refuse_images_in_async_prompts(train_dataset)
         if rollout_worker is None:  # TRL's worker samples from a vLLM server through vLLM's client code
             require_extra("vllm", "AsyncDPPOTrainer's rollout worker", INSTALL_VLLM)

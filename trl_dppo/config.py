@@ -23,6 +23,7 @@ __all__ = [
     "DIVERGENCES",
     "DPPOConfig",
     "REMOVED_NAMES",
+    "STOP_ON_NON_FINITE_HELP",
     "TrustRegionArguments",
     "refuse_vllm_truncated_sampling",
 ]
@@ -52,6 +53,17 @@ DISABLE_DROPOUT_HELP = (
     "directly. Measured at sync (before any update, fp32): LoRA dropout 0.1 on SmolLM2-135M moves max |pi - mu| from "
     "9e-6 to 1.6e-2 within 4 steps, growing with the adapter (0.1 on a tiny peaked model). Dropout a model applies outside nn.Dropout modules "
     "(Llama's attention_dropout) is not reached by this: the trainer refuses it unless disable_dropout=False."
+)
+# DPPOConfig's and AsyncDPPOConfig's `stop_on_non_finite` (trl_dppo/non_finite.py)
+STOP_ON_NON_FINITE_HELP = (
+    "Stop training with NonFiniteTrainingError at the first optimizer step whose loss, gradient norm or trainable "
+    "parameters are not finite (NaN or inf), naming the step, each such quantity (the parameters by name) and the "
+    "last checkpoint, before that step logs or saves: a checkpoint of non-finite weights is never written. Every "
+    "process stops at the same step. Without it a run trains on through NaN, and transformers' "
+    "logging_nan_inf_filter (on by default) logs the window's running mean in place of a non-finite loss, so the log "
+    "can read a plausible loss (0 at the window's first step) over NaN weights. A step fp16's loss scaler skips for "
+    "overflowing gradients is not an error (the weights did not move). The check costs one max |p| over the "
+    "parameters and one all-reduce of three flags per optimizer step. Set False to train on regardless."
 )
 # Loss types whose only role is normalisation: GRPOTrainer's `cispo`, `sapo` and `vespo` are trust regions of their own.
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -307,6 +319,12 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
             before the run stops with `VLLMServerUnreachableError`, naming the server and how to resume. TRL's client
             waits without bound on a server that hangs. 300 s is the bound TRL's asynchronous trainer gives its
             rollout worker (`heartbeat_stale_after_s`, which AsyncDPPOTrainer applies to the server too).
+        stop_on_non_finite (`bool`, defaults to `True`):
+            Stop with `NonFiniteTrainingError` at the first optimizer step whose loss, gradient norm or trainable
+            parameters are NaN or inf, naming the step, the quantities (parameters by name) and the last checkpoint,
+            before the step logs or saves, on every process at once. Without it a run trains on through NaN while
+            transformers' `logging_nan_inf_filter` logs the window's running mean in place of a non-finite loss (0 at
+            the window's first step), so the log can look fine. Shared with `AsyncDPPOConfig`.
 
     GRPOConfig options that contradict DPPO are off by default here and rejected when set: vLLM's importance-sampling
     correction (it recomputes old log-probabilities, which DPPO does without), GRPO's two-sided ratio clip `delta`,
@@ -397,6 +415,7 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
         default=True,
         metadata={"help": DISABLE_DROPOUT_HELP},
     )
+    stop_on_non_finite: bool = field(default=True, metadata={"help": STOP_ON_NON_FINITE_HELP})
 
     @classmethod
     def from_grpo_config(cls, config: GRPOConfig, **dppo_fields: Any) -> DPPOConfig:

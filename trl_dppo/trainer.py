@@ -16,6 +16,10 @@ in one small override:
   for the duration of `super()._compute_loss` and cleared after, and takes tokens without a sampler log-probability
   out of the loss.
 
+A non-finite loss, gradient norm or parameter stops training at its optimizer step (`stop_on_non_finite`): the
+`training_step` and `_maybe_log_save_evaluate` of `non_finite.StopOnNonFinite`, a base class shared with
+AsyncDPPOTrainer.
+
 What the trainer logs about its trust region (metrics, masked-token counts) is `diagnostics.py`'s, called once per
 loss; checkpoints carry the masked-token counts through `_save_checkpoint` / `_load_optimizer_and_scheduler`, and
 `log` reduces its metrics over the logging window (rates as sums over sums, maxima, totals) before GRPOTrainer's.
@@ -53,6 +57,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from .config import DPPOConfig
 from .corrections import apply_corrections
+from .datasets_check import check_prompt_lengths, check_prompts, first_prompt_rows
 from .diagnostics import TrustRegionDiagnostics, reduce_dppo_metrics
 from .divergence import binary_divergence, topk_divergence, trust_region_mask
 from .extras import INSTALL_VLLM, require_extra
@@ -63,6 +68,7 @@ from .moe import (
     check_router_replay_support,
     generating_without_router_logits,
 )
+from .non_finite import StopOnNonFinite
 from .records import MissingRecordsError, SamplerRecords
 from .rollout import (
     SamplerLogprobRecorder,
@@ -130,7 +136,7 @@ class _LossContext:
     missing_sampler_logps: torch.Tensor  # loss tokens without a sampler log-probability, taken out of the loss
 
 
-class DPPOTrainer(GRPOTrainer):
+class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
     """Divergence Proximal Policy Optimization on top of TRL's [`~trl.GRPOTrainer`].
 
     Takes the same arguments as GRPOTrainer, with `args` a [`DPPOConfig`]. See the module docstring for what differs.
@@ -187,6 +193,11 @@ class DPPOTrainer(GRPOTrainer):
                 "each would train alone on the whole data. On a machine without GPUs set `use_cpu=True` in DPPOConfig "
                 "(`--use_cpu true`): the processes then train together over gloo."
             )
+        # The environment's `reset()` supplies the prompts where there is one; otherwise each row must have one
+        prompt_rows = None
+        if environment_factory is None and train_dataset is not None:
+            columns, prompt_rows = first_prompt_rows(train_dataset)
+            check_prompts(columns, prompt_rows, "DPPOTrainer")
         if args.use_vllm and args.vllm_mode == "server":
             refuse_images_in_server_mode(train_dataset)
         if args.use_vllm:  # after the refusals that do not depend on it, before TRL's, which names TRL's extra
@@ -208,6 +219,8 @@ class DPPOTrainer(GRPOTrainer):
             environment_factory=environment_factory,
         )
         check_training_dropout(self.model, args.disable_dropout)  # after GRPOTrainer's `disable_dropout`
+        if prompt_rows and not self.use_vllm and self.rollout_func is None and not self._is_vlm:
+            self._check_prompt_lengths(prompt_rows)
         self.trust_region = get_trust_region(args.trust_region)
         self.trust_region_settings = args.trust_region_settings
         self.trust_region_corrections = args.trust_region_correction_settings
@@ -236,6 +249,13 @@ class DPPOTrainer(GRPOTrainer):
             self._wrap_vllm_backend()
         elif self.rollout_func is None:
             check_recordable_sampling(self.generation_config)
+
+    def _check_prompt_lengths(self, rows: list[dict[str, Any]]) -> None:
+        """On transformers generation (vLLM refuses a prompt longer than its model itself), the first rows' prompts
+        tokenized as GRPOTrainer tokenizes them, against the model's positions (`datasets_check.py`)."""
+        prompt_ids, _, _ = self._tokenize_prompts([row["prompt"] for row in rows])
+        positions = getattr(self._causal_lm().config.get_text_config(), "max_position_embeddings", None)
+        check_prompt_lengths(prompt_ids, self._tokenizer.pad_token_id, positions, self.args.max_completion_length)
 
     def _check_router_replay(self) -> list[torch.nn.Module]:
         """The routers to replay, or an error for a model or a rollout path that cannot replay them."""
