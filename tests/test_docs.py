@@ -49,7 +49,7 @@ def test_the_readme_shows_install_usage_and_the_options_in_its_first_100_lines()
         "divergence_delta",
     ):
         assert needed in head, needed
-    assert "| `vllm_allow_truncated_sampling` |" in head  # the last row of the options table
+    assert "| `stop_on_non_finite` |" in head  # the last row of the options table
 
 
 def test_every_docs_page_is_linked_from_the_readme():
