@@ -83,6 +83,10 @@ def main(model_dir: str, output_dir: str, mode: str) -> None:
         trainer.add_callback(WaitToBeKilled(os.path.join(output_dir, CHECKPOINT_SAVED)))
     resume = os.path.join(output_dir, f"checkpoint-{SAVE_STEPS}") if mode == "resume" else None
     trainer.train(resume_from_checkpoint=resume)
+    # Once, under ZeRO-3 on busy cores, a process that had finished training aborted at interpreter exit ("terminate
+    # called without an active exception": gloo's threads torn down unjoined); an explicit shutdown joins them
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
