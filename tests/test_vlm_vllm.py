@@ -58,6 +58,11 @@ def test_two_generations_with_images_and_a_weight_sync_between_them(colocate_run
     assert len(seen) == 2
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == 2 and all(entry["mismatch/missing_sampler_logps"] == 0 for entry in logs)
+    # The sync was checked, the vision tower's stacked q, k, v and the language model's included (the mappers that
+    # stack them are the submodules', none the model's): nothing unplaced, nothing different
+    checks = [entry for entry in trainer.state.log_history if "weight_sync/checked_parameters" in entry]
+    assert checks and all(entry["weight_sync/mismatched_parameters"] == 0 for entry in checks)
+    assert all(entry["weight_sync/checked_parameters"] > 0 for entry in checks)
 
 
 def test_every_completion_tokens_record_is_vllms_record_of_that_token(colocate_run):

@@ -197,8 +197,8 @@ class WeightSyncCheck:
 
     The trainer's weights are what TRL's `VLLMGeneration._iter_named_params` yields (gathered, PEFT adapters merged,
     under the names vLLM's loader takes), cast to the engine's dtype (its `model_config.dtype`, as vLLM's loader casts
-    them), placed on vLLM's parameters by the vLLM model's own `hf_to_vllm_mapper` (q, k, v stacked into `qkv_proj`,
-    gate and up into `gate_up_proj`). What the engine holds is read as its kernels use it:
+    them), placed on vLLM's parameters by the vLLM model's own weight mappers (`_EngineNames`: q, k, v stacked into
+    `qkv_proj`, gate and up into `gate_up_proj`). What the engine holds is read as its kernels use it:
 
     - a linear layer, whose weight vLLM's CPU backend keeps only prepacked for its GEMM (the parameter is emptied):
       through the GEMM (`_through_kernel`), every column;
@@ -235,13 +235,11 @@ class WeightSyncCheck:
         self._warned = False
 
     def __call__(self) -> None:
-        from vllm.model_executor.models.utils import WeightsMapper
-
-        mapper = getattr(self.model, "hf_to_vllm_mapper", None) or WeightsMapper()
+        mapper = _EngineNames(self.model)
         targets = self._engine_tensors(random.Random(f"{self.seed}-{self.syncs}"))
         self.syncs += 1
         for trainer_name, tensor in self.vllm_generation._iter_named_params():
-            mapped = mapper._map_name_with_shard(trainer_name)
+            mapped = mapper.engine_name_and_shard(trainer_name)
             target = mapped and targets.get(mapped[0])
             if not target:  # dropped by vLLM's loader, in a layer not sampled this sync, or not read
                 continue
@@ -250,7 +248,7 @@ class WeightSyncCheck:
                 target.fill(one, trainer_name, tensor.detach().to(self.dtype))
         mismatched = {}
         for name, target in targets.items():
-            mismatched.update(target.differences(functools.partial(_trainer_name, mapper, name)))
+            mismatched.update(target.differences(functools.partial(mapper.trainer_name, name)))
         self.log("weight_sync/checked_parameters", float(sum(len(t.rows) for t in targets.values())))
         self.log("weight_sync/mismatched_parameters", float(len(mismatched)))
         self.log("weight_sync/max_abs_diff", max(mismatched.values(), default=0.0))
@@ -310,13 +308,48 @@ class WeightSyncCheck:
         return targets
 
 
-def _trainer_name(mapper, engine_name: str, shard: object) -> str:
-    """The trainer's name vLLM's `mapper` maps to shard `shard` of `engine_name` (for an error naming a tensor the
-    trainer's weights lack)."""
-    for source, (stacked, shard_id) in mapper.orig_to_new_stacked.items():
-        if stacked in engine_name and shard_id == shard:
-            return engine_name.replace(stacked, source, 1)
-    return engine_name
+class _EngineNames:
+    """The vLLM model's names for the trainer's tensors, as its loader maps them.
+
+    vLLM loads a model module by module (`AutoWeightsLoader`): the model's `hf_to_vllm_mapper` renames each weight,
+    then each submodule that has its own mapper maps the name below its prefix. A multimodal model keeps the stacking
+    there (Idefics3: q, k, v into `qkv_proj` in the vision tower's and the language model's mappers, none in the
+    model's), so the deepest such submodule holding a name maps it after the model's mapper.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        from vllm.model_executor.models.utils import WeightsMapper
+
+        self.top = getattr(model, "hf_to_vllm_mapper", None) or WeightsMapper()
+        scoped = [
+            (f"{name}.", module.hf_to_vllm_mapper)
+            for name, module in model.named_modules()
+            if name and isinstance(getattr(module, "hf_to_vllm_mapper", None), WeightsMapper)
+        ]
+        self.scoped = sorted(scoped, key=lambda pair: -len(pair[0]))
+
+    def engine_name_and_shard(self, trainer_name: str) -> tuple[str, object] | None:
+        """The engine parameter's name and the shard of it the trainer's tensor fills (None: all of it), or None
+        for a tensor vLLM's loader drops."""
+        mapped = self.top._map_name_with_shard(trainer_name)
+        if mapped is None or mapped[1] is not None:
+            return mapped
+        for prefix, mapper in self.scoped:
+            if mapped[0].startswith(prefix):
+                inner = mapper._map_name_with_shard(mapped[0][len(prefix) :])
+                return inner and (prefix + inner[0], inner[1])
+        return mapped
+
+    def trainer_name(self, engine_name: str, shard: object) -> str:
+        """The trainer's name that fills shard `shard` of `engine_name` (for an error naming a tensor the trainer's
+        weights lack)."""
+        for prefix, mapper in [*self.scoped, ("", self.top)]:
+            if not engine_name.startswith(prefix):
+                continue
+            for source, (stacked, shard_id) in mapper.orig_to_new_stacked.items():
+                if stacked in engine_name and shard_id == shard:
+                    return engine_name.replace(stacked, source, 1)
+        return engine_name
 
 
 def checking_weight_sync(sync_weights: Callable, check: WeightSyncCheck) -> Callable:
