@@ -40,6 +40,7 @@ from trl.experimental.async_grpo.packing import TREE_ATTENTION
 from trl.trainer.utils import disable_dropout_in_model
 
 from .async_config import AsyncDPPOConfig
+from .checkpoint_loading import accept_indexed_cpu_device
 from .corrections import Correction, apply_corrections
 from .datasets_check import check_prompts, first_prompt_rows
 from .diagnostics import (
@@ -224,6 +225,7 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
                 rollout_worker=rollout_worker,
                 weight_transfer=weight_transfer,
             )
+        accept_indexed_cpu_device(self.args.device)  # a resume on several CPU processes loads onto `cpu:0`
         if weight_transfer is None and not self._lora_sync and self.accelerator.device.type != "cuda":
             raise ValueError(
                 "Without a LoRA adapter the vLLM server can serve, TRL syncs the full weights to it over NCCL, which "

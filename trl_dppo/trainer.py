@@ -55,6 +55,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 
+from .checkpoint_loading import accept_indexed_cpu_device
 from .config import DPPOConfig
 from .corrections import apply_corrections
 from .datasets_check import check_prompt_lengths, check_prompts, first_prompt_rows
@@ -218,6 +219,7 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
             rollout_func=rollout_func,
             environment_factory=environment_factory,
         )
+        accept_indexed_cpu_device(self.args.device)  # a resume on several CPU processes loads onto `cpu:0`
         check_training_dropout(self.model, args.disable_dropout)  # after GRPOTrainer's `disable_dropout`
         if prompt_rows and not self.use_vllm and self.rollout_func is None and not self._is_vlm:
             self._check_prompt_lengths(prompt_rows)
