@@ -34,6 +34,7 @@ OLDEST = {
     "trl": "1.16.0",
     "numpy": "1.26.4",
     "huggingface_hub": "1.5.0",
+    "pyarrow": "21.0.0",
 }
 # The newest releases on PyPI when this list was last raised (scripts/test_latest.sh tests them with torch 2.13,
 # the only CPU build on these machines)

@@ -5,7 +5,8 @@
 # Usage: bash scripts/test_oldest.sh dist/trl_dppo-VERSION-py3-none-any.whl [pytest arguments]
 set -euo pipefail
 # The lower bounds of pyproject.toml, each with its reason there; change them together (and OLDEST in
-# scripts/check_resolution.py)
+# scripts/check_resolution.py). pyarrow is no dependency of trl-dppo: it is datasets 4.7.0's oldest (pyarrow>=21),
+# because pip would pick the newest, which refuses numpy 1.x at import ("pyarrow requires NumPy 2.0 or newer")
 VENV=.venv-oldest STACK="torch==2.11.0 transformers==5.17.0 peft==0.18.0 accelerate==1.13.0 datasets==4.7.0 \
-    trl==1.16.0 numpy==1.26.4 huggingface_hub==1.5.0" \
+    trl==1.16.0 numpy==1.26.4 huggingface_hub==1.5.0 pyarrow==21.0.0" \
     exec bash "$(dirname "$0")/test_installed.sh" "$@"

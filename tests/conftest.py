@@ -353,11 +353,16 @@ TORCH_DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
 
 
 def launch_command(
-    script: Path, processes: int, accelerate_config: str = "cpu_2proc.yaml", launch_flags: tuple[str, ...] = ()
+    script: Path,
+    processes: int,
+    accelerate_config: str = "cpu_2proc.yaml",
+    launch_flags: tuple[str, ...] = (),
+    port: int | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command and environment that run a test's worker script in one process (`python`) or in several
     (`accelerate launch` with examples/accelerate_configs/`accelerate_config`, by default cpu_2proc.yaml: DDP over gloo
-    on the CPU; cpu_zero3.yaml with `launch_flags` ("--zero_stage", "2") for DeepSpeed ZeRO)."""
+    on the CPU; cpu_zero3.yaml with `launch_flags` ("--zero_stage", "2") for DeepSpeed ZeRO). The launches of several
+    "machines" (`--machine_rank`) share one main process `port`; one machine's launch takes a free one."""
     # A colocated vLLM engine of an earlier test sets torch.distributed's variables in this process (and holds
     # MASTER_PORT): the worker's processes get their own from the launcher, or none
     env = {key: value for key, value in os.environ.items() if key not in TORCH_DISTRIBUTED_ENV}
@@ -368,7 +373,7 @@ def launch_command(
             sys.executable, "-m", "accelerate.commands.launch",
             "--config_file", str(REPO / "examples/accelerate_configs" / accelerate_config),
             "--num_processes", str(processes),
-            "--main_process_port", str(free_port()),
+            "--main_process_port", str(port or free_port()),
             *launch_flags,
             str(script),
         ]  # fmt: skip

@@ -1,11 +1,12 @@
 """A short DPPO run (transformers generation, tiny model, LoRA) for tests/test_kill_and_resume.py.
 
-    python tests/resume_worker.py MODEL_DIR OUTPUT_DIR MODE
+    python tests/resume_worker.py MODEL_DIR OUTPUT_DIR MODE [save_on_each_node]
     accelerate launch --config_file examples/accelerate_configs/cpu_zero3.yaml tests/resume_worker.py ...  # ZeRO-3
 
 MODE `straight` trains 4 steps; `stop_after_checkpoint` saves checkpoint-2, then waits to be killed; `resume` resumes
-from checkpoint-2 and trains to step 4. Every mode appends each logged step to OUTPUT_DIR/steps-MODE.jsonl as it goes
-(the main process: the logged metrics are already reduced over processes).
+from the last checkpoint in OUTPUT_DIR (`resume_from_checkpoint=True`) and trains to step 4. `save_on_each_node`: each
+machine writes its checkpoints into its own OUTPUT_DIR (machines without a shared filesystem). Every mode appends
+each logged step to OUTPUT_DIR/steps-MODE.jsonl as it goes (the main process: the metrics are reduced over processes).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class WaitToBeKilled(TrainerCallback):
             time.sleep(3600)
 
 
-def main(model_dir: str, output_dir: str, mode: str) -> None:
+def main(model_dir: str, output_dir: str, mode: str, *flags: str) -> None:
     torch.set_num_threads(1)
     os.makedirs(output_dir, exist_ok=True)
     args = DPPOConfig(
@@ -67,6 +68,7 @@ def main(model_dir: str, output_dir: str, mode: str) -> None:
         learning_rate=3e-2,  # large enough that the second step of each generation batch is masked somewhere
         save_strategy="steps",
         save_steps=SAVE_STEPS,
+        save_on_each_node="save_on_each_node" in flags,
         seed=0,
     )
     prompts = [[{"role": "user", "content": f"Count to {i} and stop."}] for i in range(64)]
@@ -81,12 +83,17 @@ def main(model_dir: str, output_dir: str, mode: str) -> None:
     )
     if mode == "stop_after_checkpoint":
         trainer.add_callback(WaitToBeKilled(os.path.join(output_dir, CHECKPOINT_SAVED)))
-    resume = os.path.join(output_dir, f"checkpoint-{SAVE_STEPS}") if mode == "resume" else None
-    trainer.train(resume_from_checkpoint=resume)
-    # Once, under ZeRO-3 on busy cores, a process that had finished training aborted at interpreter exit ("terminate
-    # called without an active exception": gloo's threads torn down unjoined); an explicit shutdown joins them
+    trainer.train(resume_from_checkpoint=mode == "resume")
+    # On busy cores a process that had finished training sometimes aborted at exit ("terminate called without an
+    # active exception", SIGABRT: gloo's threads torn down unjoined; under ZeRO-3, and on two loopback machines even
+    # after an explicit destroy_process_group). Everything is written by then: the processes meet, shut the group
+    # down, and leave without the interpreter's teardown
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

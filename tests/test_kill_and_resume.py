@@ -1,13 +1,20 @@
-"""A run killed (SIGKILL) after a checkpoint and resumed from it logs what an uninterrupted run logs, step by step:
-one process, and two processes under DeepSpeed ZeRO-3 (examples/accelerate_configs/cpu_zero3.yaml), whose checkpoint
-is DeepSpeed's own layout (each process's partition of the parameters and optimizer state).
+"""A run killed (SIGKILL) after a checkpoint and resumed from it (`resume_from_checkpoint=True`) logs what an
+uninterrupted run logs, step by step, on every launch: one process; two under DeepSpeed ZeRO-3
+(examples/accelerate_configs/cpu_zero3.yaml), whose checkpoint is DeepSpeed's own layout (each process's partition of
+the parameters and optimizer state); and two "machines" of one process each on loopback (`--num_machines 2
+--machine_rank R`), DDP and ZeRO-3, either sharing one output folder or each with its own (no shared filesystem:
+`save_on_each_node=True`, as transformers asks, so each machine writes and resumes its own checkpoint). The reference
+is the uninterrupted run of the same launch: ZeRO-3 on two machines logs what ZeRO-3 on one machine of two processes
+logs only to within float rounding (measured once: the loss 1.1e-6 apart, relative; the cause not traced), where a
+resume must match exactly. The own-folders and shared-folder cells share it.
 
 Same seed, transformers generation, a tiny peaked model with LoRA, 2 optimizer steps per generation batch, a
 checkpoint after step 2 (between generation batches). transformers restores the optimizer, scheduler, data position
 and RNG states from the checkpoint, so the resumed run samples the same completions; DPPOTrainer restores its
-masked-token counts (`masked_tokens.json`). Everything logged except wall-clock times is equal.
-A checkpoint inside a generation batch (`save_steps` not a multiple of `steps_per_generation`) would resume by
-generating a new batch, so the steps up to the next generation would differ; the example keeps them aligned.
+masked-token counts (`masked_tokens.json`, written by the main process into its machine's folder). Everything logged
+except wall-clock times is equal. A checkpoint inside a generation batch (`save_steps` not a multiple of
+`steps_per_generation`) would resume by generating a new batch, so the steps up to the next generation would differ;
+the example keeps them aligned.
 """
 
 from __future__ import annotations
@@ -17,42 +24,106 @@ import os
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from .conftest import launch_command, require_deepspeed
+from .conftest import free_port, launch_command, require_deepspeed
 from .resume_worker import CHECKPOINT_SAVED, SAVE_STEPS
 
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "resume_worker.py"
 TIMINGS = ("step_time",)
-LAUNCHES = {"one_process": {"processes": 1}, "zero3": {"processes": 2, "accelerate_config": "cpu_zero3.yaml"}}
 
 
-def start(model_dir: str, output_dir: Path, mode: str, launch: dict) -> subprocess.Popen:
-    """The worker in MODE, in a session of its own (a kill reaches every process of a launch); its stderr goes to a
-    file (a pipe nobody reads could fill up and stall it)."""
-    command, env = launch_command(WORKER, **launch)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    with open(output_dir / f"stderr-{mode}.log", "w") as stderr:
-        return subprocess.Popen(
-            [*command, model_dir, str(output_dir), mode],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            start_new_session=True,
-        )
+@dataclass(frozen=True)
+class Launch:
+    processes: int = 1  # in all, over all machines
+    accelerate_config: str = "cpu_2proc.yaml"
+    machines: int = 1
+    shared_folder: bool = True
+
+    def folders(self, run_dir: Path) -> list[Path]:
+        """Each machine's output folder: one shared, or one each (machine 0's holds the main process's files)."""
+        return [run_dir if self.shared_folder else run_dir / f"machine{rank}" for rank in range(self.machines)]
+
+    def with_shared_folder(self) -> Launch:
+        return Launch(self.processes, self.accelerate_config, self.machines)
 
 
-def stderr_tail(output_dir: Path, mode: str) -> str:
-    return (output_dir / f"stderr-{mode}.log").read_text()[-4000:]
+LAUNCHES = {
+    "one_process": Launch(),
+    "zero3": Launch(2, "cpu_zero3.yaml"),
+    "ddp-two_machines-own_folders": Launch(2, machines=2, shared_folder=False),
+    "ddp-two_machines-shared_folder": Launch(2, machines=2),
+    "zero3-two_machines-own_folders": Launch(2, "cpu_zero3.yaml", machines=2, shared_folder=False),
+    "zero3-two_machines-shared_folder": Launch(2, "cpu_zero3.yaml", machines=2),
+}
 
 
-def finish(process: subprocess.Popen, output_dir: Path, mode: str) -> None:
-    process.wait(timeout=600)
-    assert process.returncode == 0, stderr_tail(output_dir, mode)
+class Run:
+    """One launch of the worker in MODE: a launcher per machine, each in a session of its own (a kill reaches every
+    process of a launch); stderr goes to files (a pipe nobody reads could fill up and stall it)."""
+
+    def __init__(self, model_dir: str, run_dir: Path, mode: str, launch: Launch):
+        self.mode, self.folders = mode, launch.folders(run_dir)
+        port = free_port()  # the main process's, which every machine's launcher is told
+        self.processes = []
+        for rank, folder in enumerate(self.folders):
+            flags = ()
+            if launch.machines > 1:
+                flags = (
+                    "--num_machines", str(launch.machines), "--machine_rank", str(rank),
+                    "--main_process_ip", "127.0.0.1",
+                )  # fmt: skip
+            command, env = launch_command(WORKER, launch.processes, launch.accelerate_config, flags, port)
+            arguments = [model_dir, str(folder), mode] + ([] if launch.shared_folder else ["save_on_each_node"])
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(self.stderr_path(rank), "w") as stderr:
+                process = subprocess.Popen(
+                    command + arguments, env=env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True
+                )
+            self.processes.append(process)
+
+    def stderr_path(self, rank: int) -> Path:
+        return self.folders[rank] / f"stderr-{self.mode}-machine{rank}.log"
+
+    def stderr_tail(self) -> str:
+        return "\n".join(self.stderr_path(rank).read_text()[-3000:] for rank in range(len(self.folders)))
+
+    def alive(self) -> bool:
+        return all(process.poll() is None for process in self.processes)
+
+    def kill(self) -> None:
+        for process in self.processes:  # no handler, no clean-up, the launchers and their processes alike
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+        for process in self.processes:
+            process.wait()
+
+    def finish(self) -> None:
+        for process in self.processes:
+            process.wait(timeout=600)
+        assert all(process.returncode == 0 for process in self.processes), self.stderr_tail()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(tiny_model_dir, tmp_path_factory):
+    """The uninterrupted run of a launch (in one shared folder: where the folders are is no part of what is logged),
+    started at its first cell (it runs beside that cell's killed run) and shared by the later ones."""
+    runs: dict[Launch, Run] = {}
+
+    def run_for(launch: Launch) -> Run:
+        reference = launch.with_shared_folder()
+        if reference not in runs:
+            runs[reference] = Run(tiny_model_dir, tmp_path_factory.mktemp("uninterrupted"), "straight", reference)
+        return runs[reference]
+
+    yield run_for
+    for run in runs.values():
+        run.kill()
 
 
 def logged_steps(path: Path) -> list[dict]:
@@ -60,28 +131,31 @@ def logged_steps(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", list(LAUNCHES))
-def test_killed_run_resumed_from_its_checkpoint_logs_what_an_uninterrupted_run_logs(tiny_model_dir, tmp_path, launch):
-    if launch == "zero3":
+@pytest.mark.parametrize("name", list(LAUNCHES))
+def test_killed_run_resumed_from_its_checkpoint_logs_what_an_uninterrupted_run_logs(
+    tiny_model_dir, tmp_path, uninterrupted_run, name
+):
+    launch = LAUNCHES[name]
+    if launch.accelerate_config == "cpu_zero3.yaml":
         require_deepspeed()
-    launch = LAUNCHES[launch]
-    straight_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
-    straight = start(tiny_model_dir, straight_dir, "straight", launch)
-    killed = start(tiny_model_dir, killed_dir, "stop_after_checkpoint", launch)
+    straight = uninterrupted_run(launch)
+    killed = Run(tiny_model_dir, tmp_path / "killed", "stop_after_checkpoint", launch)
+    main_folder = killed.folders[0]  # the main process's: its marker, its logged steps, its masked_tokens.json
     deadline = time.monotonic() + 600
-    while not (killed_dir / CHECKPOINT_SAVED).exists():
-        assert killed.poll() is None, stderr_tail(killed_dir, "stop_after_checkpoint")
+    while not (main_folder / CHECKPOINT_SAVED).exists():
+        assert killed.alive(), killed.stderr_tail()
         assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
         time.sleep(0.5)
-    os.killpg(killed.pid, signal.SIGKILL)  # no handler, no clean-up, the launcher and its processes alike
-    killed.wait()
-    checkpoint = killed_dir / f"checkpoint-{SAVE_STEPS}"
-    assert (checkpoint / "dppo_masked_token_counts.json").exists()
-    if launch["processes"] > 1:  # DeepSpeed's layout: each process's partition of the parameters and optimizer
-        assert len(list((checkpoint / f"global_step{SAVE_STEPS}").glob("*optim_states.pt"))) == 2
-    finish(straight, straight_dir, "straight")
-    finish(start(tiny_model_dir, killed_dir, "resume", launch), killed_dir, "resume")
+    killed.kill()
+    for folder in killed.folders:  # each machine without a shared folder holds its own copy
+        assert (folder / f"checkpoint-{SAVE_STEPS}" / "dppo_masked_token_counts.json").exists()
+    if launch.accelerate_config == "cpu_zero3.yaml":  # DeepSpeed's layout: each process's partition, where it ran
+        partitions = [folder / f"checkpoint-{SAVE_STEPS}" / f"global_step{SAVE_STEPS}" for folder in killed.folders]
+        assert len({path.name for partition in partitions for path in partition.glob("*optim_states.pt")}) == 2
+    straight.finish()
+    Run(tiny_model_dir, tmp_path / "killed", "resume", launch).finish()
 
+    straight_dir, killed_dir = straight.folders[0], main_folder
     uninterrupted = logged_steps(straight_dir / "steps-straight.jsonl")
     interrupted = logged_steps(killed_dir / "steps-stop_after_checkpoint.jsonl")
     interrupted += logged_steps(killed_dir / "steps-resume.jsonl")

@@ -28,6 +28,7 @@ small override (`docs/overrides.md`; `tests/test_upstream_contract.py` pins what
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,12 +36,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate.utils import broadcast_object_list
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
 from trl.experimental.async_grpo.packing import TREE_ATTENTION
 from trl.trainer.utils import disable_dropout_in_model
 
 from .async_config import AsyncDPPOConfig
-from .checkpoint_loading import accept_indexed_cpu_device
+from .checkpoints import accept_indexed_cpu_device, complete_deepspeed_checkpoint_on_this_machine
 from .corrections import Correction, apply_corrections
 from .datasets_check import check_prompts, first_prompt_rows
 from .diagnostics import (
@@ -414,6 +416,14 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
         rate("staleness/lag_mean", "lag", "tokens")
         metrics["staleness/lag_max"].append(lag_max)
         return sums
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.is_deepspeed_enabled and self.args.save_on_each_node and self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            complete_deepspeed_checkpoint_on_this_machine(folder)  # each machine resumes from its own copy
 
     # ------------------------------------------------------------------------------------------------ logging
 

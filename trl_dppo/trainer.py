@@ -55,7 +55,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 
-from .checkpoint_loading import accept_indexed_cpu_device
+from .checkpoints import accept_indexed_cpu_device, complete_deepspeed_checkpoint_on_this_machine
 from .config import DPPOConfig
 from .corrections import apply_corrections
 from .datasets_check import check_prompt_lengths, check_prompts, first_prompt_rows
@@ -572,6 +572,8 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
         # The masked-token counts are training state: a resumed run continues them (summed over processes)
         folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         self.diagnostics.save_counts(folder, self.args.should_save)
+        if self.is_deepspeed_enabled and self.args.save_on_each_node and self.args.should_save:
+            complete_deepspeed_checkpoint_on_this_machine(folder)  # each machine resumes from its own copy
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)  # called only when resuming, with the checkpoint's path
