@@ -7,9 +7,12 @@ import json
 import math
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 
@@ -358,11 +361,14 @@ def launch_command(
     accelerate_config: str = "cpu_2proc.yaml",
     launch_flags: tuple[str, ...] = (),
     port: int | None = None,
+    machines: int = 1,
+    machine_rank: int = 0,
 ) -> tuple[list[str], dict[str, str]]:
     """The command and environment that run a test's worker script in one process (`python`) or in several
     (`accelerate launch` with examples/accelerate_configs/`accelerate_config`, by default cpu_2proc.yaml: DDP over gloo
-    on the CPU; cpu_zero3.yaml with `launch_flags` ("--zero_stage", "2") for DeepSpeed ZeRO). The launches of several
-    "machines" (`--machine_rank`) share one main process `port`; one machine's launch takes a free one."""
+    on the CPU; cpu_zero3.yaml with `launch_flags` ("--zero_stage", "2") for DeepSpeed ZeRO). `processes` counts them
+    over all `machines`: with several, this is machine `machine_rank`'s launch, one of `machines` on loopback
+    (`--num_machines`, `--main_process_ip 127.0.0.1`) that share one main process `port`."""
     # A colocated vLLM engine of an earlier test sets torch.distributed's variables in this process (and holds
     # MASTER_PORT): the worker's processes get their own from the launcher, or none
     env = {key: value for key, value in os.environ.items() if key not in TORCH_DISTRIBUTED_ENV}
@@ -375,17 +381,73 @@ def launch_command(
             "--num_processes", str(processes),
             "--main_process_port", str(port or free_port()),
             *launch_flags,
+            *(("--num_machines", str(machines), "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1")
+              if machines > 1 else ()),
             str(script),
         ]  # fmt: skip
     return command, env
 
 
+def kill_launch(launcher: subprocess.Popen) -> None:
+    """SIGKILL a launcher and every process under it, without a handler or clean-up. torch's elastic agent (accelerate
+    launch's, for several processes or machines) starts each worker in a session of its own, which a kill of the
+    launcher's process group or session misses: the workers would live on, holding their memory."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after the name, which may hold spaces
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended meanwhile
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    tree, unvisited = [], [launcher.pid]
+    while unvisited:
+        pid = unvisited.pop()
+        tree.append(pid)
+        unvisited += children.get(pid, [])
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    launcher.wait()
+
+
 def launch(
-    script: Path, arguments: list[str], processes: int, timeout_s: int = 900, **launch_options
+    script: Path, arguments: list[str], processes: int, timeout_s: int = 900, machines: int = 1, **launch_options
 ) -> subprocess.CompletedProcess:
-    """Run a test's worker script to its end (see `launch_command` for `processes` and `launch_options`)."""
-    command, env = launch_command(script, processes, **launch_options)
-    return subprocess.run(command + arguments, capture_output=True, text=True, env=env, timeout=timeout_s)
+    """Run a test's worker script to its end (see `launch_command` for `processes`, `machines` and `launch_options`);
+    with several machines, every machine's launcher at once: the first failure's return code, their stderr in order."""
+    if machines == 1:
+        command, env = launch_command(script, processes, **launch_options)
+        return subprocess.run(command + arguments, capture_output=True, text=True, env=env, timeout=timeout_s)
+    port, launchers = free_port(), []
+    for rank in range(machines):
+        command, env = launch_command(
+            script, processes, port=port, machines=machines, machine_rank=rank, **launch_options
+        )
+        stderr = tempfile.TemporaryFile("w+")  # a pipe nobody reads while another machine runs could fill and stall it
+        process = subprocess.Popen(command + arguments, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        launchers.append((process, stderr))
+    deadline, timed_out = time.monotonic() + timeout_s, False
+    try:  # until all end, one fails (the others would wait for it), or the time is up
+        while any(process.poll() is None for process, _ in launchers):
+            timed_out = time.monotonic() > deadline
+            if timed_out or any(process.returncode for process, _ in launchers):
+                break
+            time.sleep(0.5)
+    finally:
+        for process, _ in launchers:
+            if process.poll() is None:
+                kill_launch(process)
+    stderr = ""
+    for _, file in launchers:
+        file.seek(0)
+        stderr += file.read()
+        file.close()
+    if timed_out:
+        raise subprocess.TimeoutExpired(script, timeout_s, stderr=stderr)
+    codes = [process.returncode for process, _ in launchers]
+    return subprocess.CompletedProcess(script, next((code for code in codes if code), 0), "", stderr)
 
 
 def two_processes_then_one(tmp_path: Path, spec: dict, **launch_options) -> tuple[dict, dict]:

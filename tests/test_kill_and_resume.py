@@ -20,8 +20,6 @@ the example keeps them aligned.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -29,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import free_port, launch_command, require_deepspeed
+from .conftest import free_port, kill_launch, launch_command, require_deepspeed
 from .resume_worker import CHECKPOINT_SAVED, SAVE_STEPS
 
 
@@ -64,27 +62,26 @@ LAUNCHES = {
 
 
 class Run:
-    """One launch of the worker in MODE: a launcher per machine, each in a session of its own (a kill reaches every
-    process of a launch); stderr goes to files (a pipe nobody reads could fill up and stall it)."""
+    """One launch of the worker in MODE: a launcher per machine; stderr goes to files (a pipe nobody reads could fill
+    up and stall it)."""
 
     def __init__(self, model_dir: str, run_dir: Path, mode: str, launch: Launch):
         self.mode, self.folders = mode, launch.folders(run_dir)
         port = free_port()  # the main process's, which every machine's launcher is told
         self.processes = []
         for rank, folder in enumerate(self.folders):
-            flags = ()
-            if launch.machines > 1:
-                flags = (
-                    "--num_machines", str(launch.machines), "--machine_rank", str(rank),
-                    "--main_process_ip", "127.0.0.1",
-                )  # fmt: skip
-            command, env = launch_command(WORKER, launch.processes, launch.accelerate_config, flags, port)
+            command, env = launch_command(
+                WORKER,
+                launch.processes,
+                launch.accelerate_config,
+                port=port,
+                machines=launch.machines,
+                machine_rank=rank,
+            )
             arguments = [model_dir, str(folder), mode] + ([] if launch.shared_folder else ["save_on_each_node"])
             folder.mkdir(parents=True, exist_ok=True)
             with open(self.stderr_path(rank), "w") as stderr:
-                process = subprocess.Popen(
-                    command + arguments, env=env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True
-                )
+                process = subprocess.Popen(command + arguments, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
             self.processes.append(process)
 
     def stderr_path(self, rank: int) -> Path:
@@ -97,11 +94,9 @@ class Run:
         return all(process.poll() is None for process in self.processes)
 
     def kill(self) -> None:
-        for process in self.processes:  # no handler, no clean-up, the launchers and their processes alike
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
         for process in self.processes:
-            process.wait()
+            if process.poll() is None:
+                kill_launch(process)
 
     def finish(self) -> None:
         for process in self.processes:

@@ -124,14 +124,18 @@ def server_runs(url: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("vllm_server", ["processed_logprobs"], indirect=True)
+@pytest.mark.parametrize("machines", [1, 2], ids=["one_machine", "two_machines"])
 def test_two_processes_train_against_one_server_with_mu_right_on_each_and_one_processs_update(
-    vllm_server, vllm_model_dir, tmp_path
+    vllm_server, vllm_model_dir, tmp_path, machines
 ):
     """TRL creates the server's client on the main process only; every process gets its rows of the server's
-    completions and records, and the step equals one process's on the same global batch."""
+    completions and records, and the step equals one process's on the same global batch. The same with the two
+    processes on two machines of one each (simulated on loopback, `--num_machines 2`): the main process is the
+    global rank 0, the other machine's process is its machine's local rank 0 too and gets its rows all the same."""
     runs = server_runs(vllm_server)
     # the worker skips TRL's NCCL weight transfer (CUDA only): one step from one generation never needs it
-    two, one = two_processes_then_one(tmp_path, {"model_dir": vllm_model_dir, "server": True, "runs": runs})
+    spec = {"model_dir": vllm_model_dir, "server": True, "runs": runs}
+    two, one = two_processes_then_one(tmp_path, spec, machines=machines)
     for name in runs:
         assert two[name]["num_processes"] == 2
         for seen in two[name]["seen"]:
