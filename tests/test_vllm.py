@@ -20,6 +20,7 @@ from .conftest import (
     assert_mu_is_the_bf16_samplers,
     assert_updates_agree,
     make_trainer,
+    require_deepspeed,
     require_vllm,
     spy_on_trust_region,
     two_processes_then_one,
@@ -228,21 +229,49 @@ def test_colocated_topk_records_come_from_vllms_flat_output():
     assert batch["sampler_kept_logps"][0, 0].tolist() == [pytest.approx(-0.1), -2.0, -5.0]
 
 
+# Two processes, each with its engine: DDP (examples/accelerate_configs/cpu_2proc.yaml) and DeepSpeed ZeRO-2 and
+# ZeRO-3 (cpu_zero3.yaml, --zero_stage N)
+TWO_PROCESS_LAUNCHES = {
+    "ddp": {},
+    "zero2": {"accelerate_config": "cpu_zero3.yaml", "launch_flags": ("--zero_stage", "2")},
+    "zero3": {"accelerate_config": "cpu_zero3.yaml", "launch_flags": ("--zero_stage", "3")},
+}
+
+
 @pytest.mark.slow
-def test_two_processes_each_with_a_colocated_engine_record_mu_and_make_one_processs_update(vllm_model_dir, tmp_path):
-    """Each process runs its own vLLM engine on its own rows (TRL's colocate mode, tensor parallel 1)."""
+@pytest.mark.parametrize("launch", list(TWO_PROCESS_LAUNCHES))
+def test_two_processes_each_with_a_colocated_engine_record_mu_after_each_checked_sync_and_make_one_processs_update(
+    vllm_model_dir, tmp_path, launch
+):
+    """Each process runs its own vLLM engine on its own rows (TRL's colocate mode, tensor parallel 1), two steps, each
+    generating after a sync (under ZeRO-3 TRL gathers the partitioned weights for it, one parameter at a time): the
+    sync check finds each engine holding the trainer's weights exactly after every sync; mu at both steps, the second
+    sampled after the first update (SGD at lr 0.2, far from the first step's weights), is the bf16 sampler's under the
+    updated weights; and the two steps' update is one process's on the same batches (ZeRO's reductions are DDP's bit
+    for bit: tests/test_zero.py). Two steps, as `assert_updates_agree` derives its bound for: from a third on, the
+    rounding-level difference of the processes' weights moves the next gradients by more than rounding (measured)."""
+    if launch != "ddp":
+        require_deepspeed()
     colocate = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 256}
     colocate["vllm_gpu_memory_utilization"] = 0.3
     runs = {
-        f"colocate-{divergence}": {**colocate, "divergence": divergence} for divergence in ("binary_tv", "topk_tv")
+        f"{launch}-colocate-{divergence}": {**colocate, "divergence": divergence, "max_steps": 2}
+        for divergence in ("binary_tv", "topk_tv")
     }
-    two, one = two_processes_then_one(tmp_path, {"model_dir": vllm_model_dir, "runs": runs})
+    spec = {"model_dir": vllm_model_dir, "runs": runs}
+    two, one = two_processes_then_one(tmp_path, spec, **TWO_PROCESS_LAUNCHES[launch])
     for name in runs:
-        assert two[name]["num_processes"] == 2
-        for seen in two[name]["seen"]:
-            ((mu, pi, mask),) = seen  # before the update: the trainer's weights are the engine's
-            assert_mu_is_the_bf16_samplers(mu, pi, mask)
-        assert_updates_agree(two[name]["before"], one[name]["update"], two[name]["update"])
+        run = two[name]
+        assert run["num_processes"] == 2
+        assert run["partitioned"] == (launch == "zero3")
+        for seen in run["seen"]:
+            assert len(seen) == 2  # a loss per step
+            for mu, pi, mask in seen:
+                assert_mu_is_the_bf16_samplers(mu, pi, mask)
+        synced = [entry for entry in run["logs"] if "weight_sync/checked_parameters" in entry]
+        assert len(synced) == 2 and all(entry["weight_sync/checked_parameters"] > 0 for entry in synced)
+        assert all(entry["weight_sync/mismatched_parameters"] == 0 for entry in synced)
+        assert_updates_agree(run["before"], one[name]["update"], run["update"])
 
 
 def test_vllms_names_and_layers_the_sync_check_reads_are_as_it_assumes():
