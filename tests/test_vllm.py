@@ -244,12 +244,13 @@ def test_two_processes_each_with_a_colocated_engine_record_mu_after_each_checked
     vllm_model_dir, tmp_path, launch
 ):
     """Each process runs its own vLLM engine on its own rows (TRL's colocate mode, tensor parallel 1), two steps, each
-    generating after a sync (under ZeRO-3 TRL gathers the partitioned weights for it, one parameter at a time): the
-    sync check finds each engine holding the trainer's weights exactly after every sync; mu at both steps, the second
-    sampled after the first update (SGD at lr 0.2, far from the first step's weights), is the bf16 sampler's under the
-    updated weights; and the two steps' update is one process's on the same batches (ZeRO's reductions are DDP's bit
-    for bit: tests/test_zero.py). Two steps, as `assert_updates_agree` derives its bound for: from a third on, the
-    rounding-level difference of the processes' weights moves the next gradients by more than rounding (measured)."""
+    generating after a sync (under ZeRO-3 TRL gathers the partitioned weights for it: with LoRA, as here, the whole
+    model at once to merge the adapters; without, one parameter at a time): the sync check finds each engine holding the
+    trainer's weights exactly after every sync; mu at both steps, the second sampled after the first update (SGD at lr
+    0.2, far from the first step's weights), is the bf16 sampler's under the updated weights; and the two steps' update
+    is one process's on the same batches (ZeRO's reductions are DDP's bit for bit: tests/test_zero.py). Two steps, as
+    `assert_updates_agree` derives its bound for: from a third on, the rounding-level difference of the processes'
+    weights moves the next gradients by more than rounding (measured)."""
     if launch != "ddp":
         require_deepspeed()
     colocate = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 256}
