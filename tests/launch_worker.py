@@ -11,6 +11,7 @@ every run trains on that run's global generation batches in one process instead 
 The main process saves, per run: each process's (mu, pi, loss mask) from each step's loss, the global generation
 batch of each step (the processes' rows in process order), the trainable parameters before training and the update
 (under ZeRO-3, which partitions the parameters, both read gathered).
+With `count_gathers` (ZeRO-3), each run also reports the most parameter elements gathered at once while it trained.
 With `expect_error`, each process instead saves the error its trainer raised at start (`OUT_FILE.rank<i>`).
 """
 
@@ -112,6 +113,40 @@ def gathered(parameters: dict) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+class GatherCount:
+    """Under ZeRO-3: the most parameter elements held gathered at once by `deepspeed.zero.GatheredParameters`, which
+    TRL's weight sync gathers through (`trl.distributed` looks it up at each call), over one run."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+
+    def install(self) -> None:
+        import deepspeed
+
+        count, gathered_parameters = self, deepspeed.zero.GatheredParameters
+
+        class Counted(gathered_parameters):
+            def __init__(self, params, *args, **kwargs):
+                params = params if isinstance(params, torch.nn.Parameter) else list(params)
+                super().__init__(params, *args, **kwargs)
+                listed = [params] if isinstance(params, torch.nn.Parameter) else params
+                self.numel = sum(p.ds_numel for p in listed if hasattr(p, "ds_id"))
+
+            def __enter__(self):
+                count.now += self.numel
+                count.peak = max(count.peak, count.now)
+                return super().__enter__()
+
+            def __exit__(self, *exc_info):
+                count.now -= self.numel
+                return super().__exit__(*exc_info)
+
+        deepspeed.zero.GatheredParameters = Counted
+
+
+GATHERS = GatherCount()
+
+
 def train(name: str, settings: dict, spec: dict, out_file: str) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     set_seed(0)  # the LoRA initialisation
@@ -157,7 +192,9 @@ def train(name: str, settings: dict, spec: dict, out_file: str) -> dict:
     trainable = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
     with gathered(trainable):
         before = {n: p.detach().clone() for n, p in trainable.items()}
+    GATHERS.peak = 0
     trainer.train()
+    gathered_at_once = GATHERS.peak
     with gathered(trainable):
         update = {n: p.detach() - before[n] for n, p in trainable.items()}
     by_process = gather_object([{"seen": seen, "generated": generated}])
@@ -168,6 +205,11 @@ def train(name: str, settings: dict, spec: dict, out_file: str) -> dict:
         # ZeRO-3: each process holds only its shard of every parameter, the LM head's too (read by top-K)
         "partitioned": all(hasattr(p, "ds_id") for p in trainer.model.parameters()),
         "lm_head_local_size": trainer.model.get_output_embeddings().weight.numel(),
+        # with `count_gathers`, under ZeRO-3: the peak elements gathered at once in training, the largest parameter's
+        # and all parameters' (whole, not this process's partition)
+        "gathered_at_once": gathered_at_once,
+        "largest_parameter": max(getattr(p, "ds_numel", p.numel()) for p in trainer.model.parameters()),
+        "all_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in trainer.model.parameters()),
         "seen": [process["seen"] for process in by_process],
         "batches": None
         if replay
@@ -213,6 +255,8 @@ def main(spec_file: str, out_file: str) -> None:
         spec = json.load(f)
     if spec.get("server"):
         skip_nccl_weight_transfer()
+    if spec.get("count_gathers"):
+        GATHERS.install()
     rank = int(os.environ.get("RANK", "0"))
     if spec.get("expect_error"):
         with open(f"{out_file}.rank{rank}", "w") as f:

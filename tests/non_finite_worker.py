@@ -14,6 +14,7 @@ from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoTokenizer
 
+from tests.conftest import leave_launched_run
 from trl_dppo import DPPOConfig, DPPOTrainer
 from trl_dppo.non_finite import NonFiniteTrainingError
 
@@ -57,6 +58,7 @@ def main(model_dir: str, out_file: str) -> None:
         outcome = str(error)
     with open(f"{out_file}.rank{trainer.accelerator.process_index}", "w") as f:
         f.write(outcome)
+    leave_launched_run()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from datasets import Dataset
 from peft import LoraConfig
 from transformers import TrainerCallback
 
-from tests.conftest import length_reward
+from tests.conftest import leave_launched_run, length_reward
 from trl_dppo import DPPOConfig, DPPOTrainer
 from trl_dppo.jobs.default_model import smollm2_tokenizer
 
@@ -84,16 +84,7 @@ def main(model_dir: str, output_dir: str, mode: str, *flags: str) -> None:
     if mode == "stop_after_checkpoint":
         trainer.add_callback(WaitToBeKilled(os.path.join(output_dir, CHECKPOINT_SAVED)))
     trainer.train(resume_from_checkpoint=mode == "resume")
-    # On busy cores a process that had finished training sometimes aborted at exit ("terminate called without an
-    # active exception", SIGABRT: gloo's threads torn down unjoined; under ZeRO-3, and on two loopback machines even
-    # after an explicit destroy_process_group). Everything is written by then: the processes meet, shut the group
-    # down, and leave without the interpreter's teardown
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    leave_launched_run()
 
 
 if __name__ == "__main__":

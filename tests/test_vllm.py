@@ -259,12 +259,20 @@ def test_two_processes_each_with_a_colocated_engine_record_mu_after_each_checked
         f"{launch}-colocate-{divergence}": {**colocate, "divergence": divergence, "max_steps": 2}
         for divergence in ("binary_tv", "topk_tv")
     }
-    spec = {"model_dir": vllm_model_dir, "runs": runs}
+    if launch == "zero3":  # without PEFT, TRL gathers the partitioned weights for the sync one parameter at a time
+        runs["zero3-colocate-binary_tv-full"] = {**colocate, "divergence": "binary_tv", "max_steps": 2, "lora": False}
+    spec = {"model_dir": vllm_model_dir, "runs": runs, "count_gathers": launch == "zero3"}
     two, one = two_processes_then_one(tmp_path, spec, **TWO_PROCESS_LAUNCHES[launch])
     for name in runs:
         run = two[name]
         assert run["num_processes"] == 2
         assert run["partitioned"] == (launch == "zero3")
+        if launch == "zero3":
+            # Full fine-tuning: never more than the largest parameter whole at once. With LoRA, TRL's
+            # `_iter_named_params` gathers the whole model to merge the adapters (docs/distributed.md): on a model that
+            # fits one device only partitioned, that sync cannot run
+            whole = run["largest_parameter"] if name.endswith("-full") else run["all_parameters"]
+            assert run["gathered_at_once"] == whole, (run["gathered_at_once"], whole)
         for seen in run["seen"]:
             assert len(seen) == 2  # a loss per step
             for mu, pi, mask in seen:
