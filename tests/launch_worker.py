@@ -127,9 +127,8 @@ class GatherCount:
 
         class Counted(gathered_parameters):
             def __init__(self, params, *args, **kwargs):
-                params = params if isinstance(params, torch.nn.Parameter) else list(params)
-                super().__init__(params, *args, **kwargs)
-                listed = [params] if isinstance(params, torch.nn.Parameter) else params
+                listed = [params] if isinstance(params, torch.nn.Parameter) else list(params)  # may be a generator
+                super().__init__(listed, *args, **kwargs)
                 self.numel = sum(p.ds_numel for p in listed if hasattr(p, "ds_id"))
 
             def __enter__(self):

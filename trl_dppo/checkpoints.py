@@ -1,10 +1,11 @@
 """What a checkpoint needs so that every process of a run resumes from it, beyond what transformers writes.
 
-Optimizer state on several CPU processes (gloo): accelerate gives each process of a multi-process CPU launch the device `cpu:0` (`PartialState.set_device` indexes
-every device type), and transformers loads the optimizer state of a run of several processes onto that device
-(`Trainer._load_optimizer_and_scheduler`: `map_location=args.device`). torch's CPU deserializer takes the location
-"cpu" only, so the resume fails: "don't know how to restore data location of torch.storage.UntypedStorage (tagged
-with cpu:0)". On GPUs the device is `cuda:N`, which torch restores; nothing changes there.
+Optimizer state on several CPU processes (gloo): accelerate gives each process of a multi-process CPU launch the device
+`cpu:0` (`PartialState.set_device` indexes every device type), and transformers loads the optimizer state of a run of
+several processes onto that device (`Trainer._load_optimizer_and_scheduler`: `map_location=args.device`). torch's CPU
+deserializer takes the location "cpu" only, so the resume fails: "don't know how to restore data location of
+torch.storage.UntypedStorage (tagged with cpu:0)". On GPUs the device is `cuda:N`, which torch restores; nothing
+changes there.
 
 DeepSpeed checkpoints on machines without a shared filesystem (`save_on_each_node=True`): DeepSpeed names the
 checkpoint to resume from in a `latest` file inside it, which only the global rank 0 writes
