@@ -7,7 +7,6 @@ import json
 import math
 import os
 import queue
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,20 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassifi
 
 from trl_dppo import DPPOConfig, DPPOTrainer
 from trl_dppo.jobs.default_model import smollm2_tokenizer
+
+from .process_bounds import (  # noqa: F401 (the plugin's hooks and fixture, found here by pytest)
+    _processes_end_with_their_test,
+    kill_tree_of,
+    new_scope,
+    processes_in,
+    pytest_configure,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+    python_stacks,
+    run_bounded,
+    scopes_of,
+    with_scope,
+)
 
 
 # One ulp of 1.0 in float32 (2**-23); an ulp of x is at most EPS32 * |x|
@@ -373,6 +386,7 @@ def launch_command(
     # MASTER_PORT): the worker's processes get their own from the launcher, or none
     env = {key: value for key, value in os.environ.items() if key not in TORCH_DISTRIBUTED_ENV}
     env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_WAIT_POLICY="PASSIVE")
+    env = with_scope(env, new_scope("launch"))  # every process of this launch carries it (`kill_launch`)
     command = [sys.executable, str(script)]
     if processes > 1:
         command = [
@@ -403,38 +417,24 @@ def leave_launched_run() -> None:
 
 
 def kill_launch(launcher: subprocess.Popen) -> None:
-    """SIGKILL a launcher and every process under it, without a handler or clean-up. torch's elastic agent (accelerate
-    launch's, for several processes or machines) starts each worker in a session of its own, which a kill of the
-    launcher's process group or session misses: the workers would live on, holding their memory."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after the name, which may hold spaces
-        except (OSError, IndexError, ValueError):
-            continue  # a process that ended meanwhile
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    tree, unvisited = [], [launcher.pid]
-    while unvisited:
-        pid = unvisited.pop()
-        tree.append(pid)
-        unvisited += children.get(pid, [])
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    launcher.wait()
+    """SIGKILL a launcher started with `launch_command`'s environment and every process of its launch, without a
+    handler or clean-up. torch's elastic agent (accelerate launch's, for several processes or machines) starts each
+    worker in a session of its own, which a kill of the launcher's process group or session misses: the launch's scope
+    in every process's environment finds them (tests/process_bounds.py)."""
+    kill_tree_of(launcher)
 
 
 def launch(
     script: Path, arguments: list[str], processes: int, timeout_s: int = 900, machines: int = 1, **launch_options
 ) -> subprocess.CompletedProcess:
     """Run a test's worker script to its end (see `launch_command` for `processes`, `machines` and `launch_options`);
-    with several machines, every machine's launcher at once: the first failure's return code, their stderr in order."""
+    with several machines, every machine's launcher at once: the first failure's return code, their stderr in order.
+    Past `timeout_s` every process of the launch has its Python stacks dumped and is killed, and
+    `subprocess.TimeoutExpired` says where each waited; whatever happens, none is left (tests/process_bounds.py)."""
     if machines == 1:
         command, env = launch_command(script, processes, **launch_options)
-        return subprocess.run(command + arguments, capture_output=True, text=True, env=env, timeout=timeout_s)
-    port, launchers = free_port(), []
+        return run_bounded(command + arguments, env, timeout_s)
+    port, launchers, scopes = free_port(), [], []
     for rank in range(machines):
         command, env = launch_command(
             script, processes, port=port, machines=machines, machine_rank=rank, **launch_options
@@ -442,7 +442,8 @@ def launch(
         stderr = tempfile.TemporaryFile("w+")  # a pipe nobody reads while another machine runs could fill and stall it
         process = subprocess.Popen(command + arguments, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
         launchers.append((process, stderr))
-    deadline, timed_out = time.monotonic() + timeout_s, False
+        scopes.append(scopes_of(env)[-1])
+    deadline, timed_out, stacks = time.monotonic() + timeout_s, False, ""
     try:  # until all end, one fails (the others would wait for it), or the time is up
         while any(process.poll() is None for process, _ in launchers):
             timed_out = time.monotonic() > deadline
@@ -450,16 +451,19 @@ def launch(
                 break
             time.sleep(0.5)
     finally:
+        if timed_out:
+            stacks = python_stacks(pid for scope in scopes for pid in processes_in(scope))
         for process, _ in launchers:
-            if process.poll() is None:
-                kill_launch(process)
+            kill_launch(process)
     stderr = ""
     for _, file in launchers:
         file.seek(0)
         stderr += file.read()
         file.close()
     if timed_out:
-        raise subprocess.TimeoutExpired(script, timeout_s, stderr=stderr)
+        report = f"{script} ran past {timeout_s} s; the stacks of its processes:\n{stacks}\nstderr:\n{stderr[-4000:]}"
+        sys.stderr.write(report + "\n")  # pytest shows it with the failure
+        raise subprocess.TimeoutExpired(script, timeout_s, stderr=report)
     codes = [process.returncode for process, _ in launchers]
     return subprocess.CompletedProcess(script, next((code for code in codes if code), 0), "", stderr)
 

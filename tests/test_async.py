@@ -29,7 +29,8 @@ from trl.experimental.async_grpo import AsyncGRPOTrainer  # noqa: E402
 from trl.experimental.async_grpo.vllm_client import VLLMClient  # noqa: E402
 
 
-pytestmark = pytest.mark.vllm
+# The module's server starts in its first test (45 s measured alone), a launch takes 43-61 s
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 MAX_STALENESS = 3
 SAMPLES_PER_STEP = 4
@@ -217,6 +218,7 @@ def test_full_weight_sync_over_nccl_is_refused_without_cuda(vllm_model_dir, toke
         AsyncDPPOTrainer(vllm_model_dir, length_reward, args, train_dataset=prompts, processing_class=tokenizer)
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_two_training_processes_against_one_server_each_train_on_the_servers_records(server, tmp_path):
     """TRL's rollout worker runs on the main process and hands each process its rows; both train on mu as the server

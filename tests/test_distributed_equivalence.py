@@ -110,6 +110,7 @@ def runs(tmp_path_factory):
     return results
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_two_processes_make_the_same_update_and_log_the_same_metrics_as_one(runs, name):

@@ -125,6 +125,10 @@ def logged_steps(path: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS} for line in path.read_text().splitlines()]
 
 
+@pytest.mark.launch
+@pytest.mark.timeout(
+    600
+)  # three launches per cell: 20-62 s measured alone, up to 82 s beside the suite's other stream
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAUNCHES))
 def test_killed_run_resumed_from_its_checkpoint_logs_what_an_uninterrupted_run_logs(

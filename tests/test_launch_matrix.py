@@ -15,7 +15,7 @@ import torch
 from .conftest import assert_updates_agree, tiny_model_logprob_atol, two_processes_then_one
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.launch]
 
 RUNS = {
     "transformers-binary_tv": {"divergence": "binary_tv"},

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 from trl_dppo.jobs.arithmetic import arithmetic_dataset, exact_answer_reward, extract_final_number
 from trl_dppo.jobs.script_utils import summarize_log_history
 
-from .conftest import free_port
+from .conftest import free_port, run_bounded
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,6 +80,7 @@ def test_summary_windows() -> None:
     assert summarize_log_history([])["reward_first"] is None
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_math_script_under_accelerate_with_two_processes(tiny_model_dir: str, tmp_path: Path) -> None:
     """`accelerate launch` with two gloo processes and a YAML config, on a tiny random model."""
@@ -101,7 +101,7 @@ def test_math_script_under_accelerate_with_two_processes(tiny_model_dir: str, tm
         "--output_dir", str(out),
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    result = run_bounded(command, env, timeout_s=600, cwd=REPO)  # past it: the workers' stacks, and none left
     assert result.returncode == 0, result.stderr[-4000:]
     assert "DPPO math | model:" in result.stdout
     summary = json.loads((out / "dppo_summary.json").read_text())

@@ -282,6 +282,7 @@ def test_the_async_trainer_scores_an_moe_as_its_sampler_did(moe_model_dir, token
     assert trainer._metrics["train"]["aux_loss"][-1] > 0
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_two_processes_replay_their_own_routes_and_make_one_processs_update(moe_model_dir, tokenizer, tmp_path):
     """Router replay under `accelerate launch` with two processes: each records and replays the routes of the rows it

@@ -171,6 +171,7 @@ def test_async_dppo_stops_at_a_nan_loss(tmp_path, tiny_model_dir, tokenizer, pro
         trainer.train()
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_a_nan_loss_on_one_process_stops_every_process_at_that_step(tmp_path, tiny_model_dir):
     """Only the second process's loss is NaN, and its gradient finite: the decision is all-reduced, so the first

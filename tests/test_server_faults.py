@@ -11,9 +11,7 @@ heartbeat stays fresh. The bounds here are short (20 s) so that the tests bound 
 from __future__ import annotations
 
 import signal
-import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 import requests
@@ -29,7 +27,9 @@ from .conftest import length_reward, make_trainer, require_vllm
 require_vllm()
 
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# Each test starts a server twice (about a minute each on 2 cores) and trains 4 steps: 80-120 s measured alone, up to
+# twice that beside CI's other stream; a fault the watch missed would hang the run until this bound
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 STALL_TIMEOUT_S = 20
 # The run ends at most one poll and one probe after the bound: the watch asks every POLL_INTERVAL_S, each probe
@@ -42,24 +42,6 @@ def start_server(model_dir: str, log_path, *options: str) -> LocalServer:
     flags = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", "--enforce-eager"]
     flags += ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", *options]
     return LocalServer(api_server_command(model_dir, flags), port, log_path, lifetime_s=900)
-
-
-@contextmanager
-def bounded(seconds: float):
-    """Raise TimeoutError in the test after `seconds`, even from a blocking socket read (a real signal to the main
-    thread interrupts it): without the watch, TRL would wait here for ever."""
-
-    def expire(signum, frame):
-        raise TimeoutError(f"the run did not end within {seconds:.0f}s of the fault")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    timer = threading.Timer(seconds, signal.pthread_kill, (threading.main_thread().ident, signal.SIGALRM))
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
-        signal.signal(signal.SIGALRM, previous)
 
 
 class FaultAfterSave(TrainerCallback):
@@ -98,8 +80,8 @@ def test_a_hung_or_killed_server_ends_sync_server_mode_within_the_bound_and_the_
         )
         fault = FaultAfterSave(server, signum, step=2)
         trainer.add_callback(fault)
-        # a safety net: the start and 2 steps take under a minute here, the fault's bound ENDS_WITHIN_S
-        with bounded(ENDS_WITHIN_S + 300), pytest.raises(VLLMServerUnreachableError, match=rf"{server.url} has not"):
+        # without the watch TRL would wait here for ever: the test's own bound (pytest-timeout) ends that
+        with pytest.raises(VLLMServerUnreachableError, match=rf"{server.url} has not"):
             trainer.train()
         assert fault.at is not None and time.monotonic() - fault.at < ENDS_WITHIN_S
         assert trainer.state.global_step == 2
@@ -176,8 +158,8 @@ def test_a_killed_server_ends_the_async_trainer_within_the_bound_and_the_run_res
         trainer = async_trainer(tmp_path, server.url, vllm_model_dir, tokenizer, prompts)
         fault = FaultAfterSave(server, signal.SIGKILL, step=2)
         trainer.add_callback(fault)
-        # a safety net: the start and 2 steps take under a minute here, the fault's bound ENDS_WITHIN_S
-        with bounded(ENDS_WITHIN_S + 300), pytest.raises(VLLMServerUnreachableError, match=rf"{server.url} has not"):
+        # without the watch TRL would wait here for ever: the test's own bound (pytest-timeout) ends that
+        with pytest.raises(VLLMServerUnreachableError, match=rf"{server.url} has not"):
             trainer.train()
         assert fault.at is not None and time.monotonic() - fault.at < ENDS_WITHIN_S
     finally:

@@ -91,6 +91,7 @@ def _kept_logps_under_fsdp2(
         dist.destroy_process_group()
 
 
+@pytest.mark.launch
 def test_kept_logps_read_from_an_fsdp2_sharded_head_equal_the_full_log_softmax(tmp_path, monkeypatch):
     """Each process holds half the vocabulary rows of the LM head (a DTensor); its kept-set log-probabilities, read
     outside the head's forward pass, still equal log_softmax of the full logits at the kept ids (K = 1 and 8)."""

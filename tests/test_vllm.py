@@ -238,6 +238,10 @@ TWO_PROCESS_LAUNCHES = {
 }
 
 
+@pytest.mark.launch
+@pytest.mark.timeout(
+    600
+)  # two launches, engines included: 58-84 s measured alone, up to 107 s beside the other stream
 @pytest.mark.slow
 @pytest.mark.parametrize("launch", list(TWO_PROCESS_LAUNCHES))
 def test_two_processes_each_with_a_colocated_engine_record_mu_after_each_checked_sync_and_make_one_processs_update(

@@ -122,6 +122,8 @@ def server_runs(url: str) -> dict:
     return {f"server-{divergence}": {**server, "divergence": divergence} for divergence in ("binary_tv", "topk_tv")}
 
 
+@pytest.mark.launch
+@pytest.mark.timeout(600)  # the server's start and two launches: 29 s measured alone, 85 s beside the other stream
 @pytest.mark.slow
 @pytest.mark.parametrize("vllm_server", ["processed_logprobs"], indirect=True)
 @pytest.mark.parametrize("machines", [1, 2], ids=["one_machine", "two_machines"])
@@ -149,6 +151,7 @@ def test_two_processes_train_against_one_server_with_mu_right_on_each_and_one_pr
         assert_updates_agree(two[name]["before"], one[name]["update"], two[name]["update"])
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 @pytest.mark.parametrize("vllm_server", ["raw_logprobs"], indirect=True)
 def test_a_raw_logprobs_server_is_refused_on_every_process(vllm_server, vllm_model_dir, tmp_path):
