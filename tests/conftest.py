@@ -25,6 +25,7 @@ from datasets import Dataset
 from peft import LoraConfig
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
+import trl_dppo.vllm_server
 from trl_dppo import DPPOConfig, DPPOTrainer
 from trl_dppo.jobs.default_model import smollm2_tokenizer
 
@@ -488,10 +489,12 @@ def run_launch_worker(stem: Path, spec: dict, processes: int, **launch_options) 
 
 @pytest.fixture
 def no_nccl_weight_transfer(monkeypatch):
-    """TRL's weight transfer to a vLLM server runs on NCCL and needs CUDA: only its two client calls are skipped."""
+    """TRL's weight transfer to a vLLM server runs on NCCL and needs CUDA: only its two client calls are skipped, and
+    with them DPPOTrainer's refusal of that transfer without CUDA."""
     from trl.generation.vllm_client import VLLMClient  # imports vLLM: only for the vLLM tests
 
     monkeypatch.setattr(VLLMClient, "init_communicator", lambda self, device=0: None)
+    monkeypatch.setattr(trl_dppo.vllm_server, "refuse_weight_transfer_without_cuda", lambda device: None)
 
     def drain(self, metadata, named_params):  # walk the weights as the broadcast would (PEFT merges and unmerges)
         for _ in named_params:

@@ -5,7 +5,8 @@ process and compares the update with one process's on the same global batch.
     python tests/launch_worker.py SPEC_FILE OUT_FILE
 
 SPEC_FILE (JSON) holds `model_dir`, `runs` (name -> DPPOConfig overrides: the generation backend, the divergence,
-`max_steps`; and `"lora": false` for full fine-tuning) and, with `replay`, the path of an earlier run's results: then
+`max_steps`; `"lora"`: false for full fine-tuning, or LoraConfig fields over `LORA`'s) and, with `replay`, the path
+of an earlier run's results: then
 every run trains on that run's global generation batches in one process instead of generating
 (`_generate_and_score_completions` returns them step by step), which is one process's update of the same batches.
 The main process saves, per run: each process's (mu, pi, loss mask) from each step's loss, the global generation
@@ -33,6 +34,7 @@ from trl_dppo import DPPOConfig, DPPOTrainer
 from trl_dppo.jobs.default_model import smollm2_tokenizer
 
 
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
 GLOBAL_ROWS = 8  # completions per optimizer step over all processes: 2 prompts x 4 generations
 # Prompts of one token length, so the processes' rows share one prompt width and stack without extra padding
 PROMPTS = [[{"role": "user", "content": f"Count to {i} and stop."}] for i in range(10, 74)]
@@ -160,9 +162,7 @@ def train(name: str, settings: dict, spec: dict, out_file: str) -> dict:
         args=config(f"{out_file}.runs/{name}", world, settings),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=smollm2_tokenizer(),
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-        if lora
-        else None,
+        peft_config=None if lora is False else LoraConfig(**{**LORA, **(lora if isinstance(lora, dict) else {})}),
     )
     assert trainer.accelerator.num_processes == world, f"{world} processes launched"
     generated = []
@@ -204,6 +204,9 @@ def train(name: str, settings: dict, spec: dict, out_file: str) -> dict:
         # ZeRO-3: each process holds only its shard of every parameter, the LM head's too (read by top-K)
         "partitioned": all(hasattr(p, "ds_id") for p in trainer.model.parameters()),
         "lm_head_local_size": trainer.model.get_output_embeddings().weight.numel(),
+        # the optimizer that stepped: under DeepSpeed, the one its engine wraps (with optimizer offload accelerate
+        # hands it DeepSpeed's CPU Adam in place of the trainer's torch optimizer)
+        "optimizer": type(getattr(trainer.model_wrapped, "basic_optimizer", trainer.optimizer)).__name__,
         # with `count_gathers`, under ZeRO-3: the peak elements gathered at once in training, the largest parameter's
         # and all parameters' (whole, not this process's partition)
         "gathered_at_once": gathered_at_once,
@@ -237,8 +240,11 @@ def start_error(settings: dict, spec: dict, out_file: str) -> str:
 
 def skip_nccl_weight_transfer() -> None:
     """TRL's weight transfer to a server runs on NCCL and needs CUDA: only its two client calls are skipped (one
-    optimizer step from one generation never needs the server to hold the updated weights)."""
+    optimizer step from one generation never needs the server to hold the updated weights), and with them
+    DPPOTrainer's refusal of that transfer without CUDA."""
     from trl.generation.vllm_client import VLLMClient
+
+    import trl_dppo.vllm_server
 
     def drain(self, metadata, named_params):  # walk the weights as the broadcast would (PEFT merges and unmerges)
         for _ in named_params:
@@ -246,6 +252,7 @@ def skip_nccl_weight_transfer() -> None:
 
     VLLMClient.init_communicator = lambda self, device=0: None
     VLLMClient.update_named_params = drain
+    trl_dppo.vllm_server.refuse_weight_transfer_without_cuda = lambda device: None
 
 
 def main(spec_file: str, out_file: str) -> None:

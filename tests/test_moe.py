@@ -15,6 +15,7 @@ from .conftest import (
     LORA,
     forward_logprob_atol,
     make_trainer,
+    require_deepspeed,
     spy_on_trust_region,
     two_processes_then_one,
 )
@@ -282,27 +283,49 @@ def test_the_async_trainer_scores_an_moe_as_its_sampler_did(moe_model_dir, token
     assert trainer._metrics["train"]["aux_loss"][-1] > 0
 
 
+R3 = {"use_rollout_routing_replay": True, "max_completion_length": 12}
+EXPERT_LORA = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}  # attention's too
+# Two processes over DDP, and under DeepSpeed ZeRO-3 (every parameter partitioned, the experts' fused weights
+# included), there with LoRA on attention and with LoRA on the experts too
+MOE_LAUNCHES = {
+    "ddp": ({}, {"transformers-r3": R3}),
+    "zero3": (
+        {"accelerate_config": "cpu_zero3.yaml", "launch_flags": ("--zero_stage", "3")},
+        {"zero3-r3": R3, "zero3-r3-expert_lora": {**R3, "lora": EXPERT_LORA}},
+    ),
+}
+
+
 @pytest.mark.launch
 @pytest.mark.slow
-def test_two_processes_replay_their_own_routes_and_make_one_processs_update(moe_model_dir, tokenizer, tmp_path):
+@pytest.mark.timeout(600)  # two launches: MEASURED
+@pytest.mark.parametrize("launch", list(MOE_LAUNCHES))
+def test_two_processes_replay_their_own_routes_and_make_one_processs_update(
+    moe_model_dir, tokenizer, tmp_path, launch
+):
     """Router replay under `accelerate launch` with two processes: each records and replays the routes of the rows it
     generated (mu = pi on each), and the update equals one process's on the same global batch, routes included."""
-    runs = {"transformers-r3": {"use_rollout_routing_replay": True, "max_completion_length": 12}}
-    two, one = two_processes_then_one(tmp_path, {"model_dir": moe_model_dir, "runs": runs})
-    run = two["transformers-r3"]
-    assert run["num_processes"] == 2
-    for seen in run["seen"]:
-        ((mu, pi, mask),) = seen
-        assert (mu - pi).abs()[mask].max() <= moe_logprob_atol(tokenizer, pi[mask])
-    assert (run["batches"][0]["sampler_routes"] >= 0).any()
-    assert run["logs"][0]["routing/differing_expert_sets"] == 0.0  # fp32 on both sides: the same routes
-    # One process's update of the same batch, routes included. Looser than `conftest.assert_updates_agree`'s bound for
-    # dense models: in an MoE each expert's matmuls run over the tokens routed to it, a batch-dependent subset (4 rows
-    # per process against 8), and their outputs are summed back with `index_add_` in that subset's order, so the
-    # forward itself reassociates with the batch, by O(ulps) of the activations (measured: 1.1e-6 beyond the dense
-    # bound). 1e-3 of the tensor's largest update bounds that with room, and a mis-split batch or another
-    # normalisation moves an update by its own size.
-    update, other = run["update"], one["transformers-r3"]["update"]
-    assert any(u.abs().max() > 1e-3 for u in update.values()), "the update should be visible"
-    for param, delta in update.items():
-        assert (other[param] - delta).abs().max() <= 1e-3 * delta.abs().max(), param
+    if launch == "zero3":
+        require_deepspeed()
+    options, runs = MOE_LAUNCHES[launch]
+    two, one = two_processes_then_one(tmp_path, {"model_dir": moe_model_dir, "runs": runs}, **options)
+    for name in runs:
+        run = two[name]
+        assert run["num_processes"] == 2 and run["partitioned"] == (launch == "zero3")
+        for seen in run["seen"]:
+            ((mu, pi, mask),) = seen
+            assert (mu - pi).abs()[mask].max() <= moe_logprob_atol(tokenizer, pi[mask])
+        assert (run["batches"][0]["sampler_routes"] >= 0).any()
+        assert run["logs"][0]["routing/differing_expert_sets"] == 0.0  # fp32 on both sides: the same routes
+        # One process's update of the same batch, routes included. Looser than `conftest.assert_updates_agree`'s
+        # bound for dense models: in an MoE each expert's matmuls run over the tokens routed to it, a batch-dependent
+        # subset (4 rows per process against 8), and their outputs are summed back with `index_add_` in that subset's
+        # order, so the forward itself reassociates with the batch, by O(ulps) of the activations (measured: 1.1e-6
+        # beyond the dense bound). 1e-3 of the tensor's largest update bounds that with room, and a mis-split batch or
+        # another normalisation moves an update by its own size.
+        update, other = run["update"], one[name]["update"]
+        assert any(u.abs().max() > 1e-3 for u in update.values()), "the update should be visible"
+        if name.endswith("expert_lora"):  # the experts' adapters are trained, partitioned as the rest
+            assert any("experts" in param and delta.abs().max() > 0 for param, delta in update.items())
+        for param, delta in update.items():
+            assert (other[param] - delta).abs().max() <= 1e-3 * delta.abs().max(), param

@@ -23,7 +23,9 @@ from .conftest import (
     assert_updates_agree,
     launch,
     make_trainer,
+    require_deepspeed,
     require_vllm,
+    run_launch_worker,
     spy_on_trust_region,
     two_processes_then_one,
 )
@@ -122,6 +124,22 @@ def server_runs(url: str) -> dict:
     return {f"server-{divergence}": {**server, "divergence": divergence} for divergence in ("binary_tv", "topk_tv")}
 
 
+def assert_each_process_has_the_servers_mu_and_the_step_is_one_processs(name: str, run: dict, replayed: dict) -> None:
+    """tests/launch_worker.py's results of a two-process run against the server (`run`) and of one process on the
+    same global batch (`replayed`): mu on each process is the server's (before the update: the trainer's weights are
+    the server's), top-K's kept sets hold the server's top 5 and the sampled token, the step is one process's."""
+    assert run["num_processes"] == 2
+    for seen in run["seen"]:
+        ((mu, pi, mask),) = seen
+        assert_mu_is_the_bf16_samplers(mu, pi, mask)
+    if name.endswith("topk_tv"):
+        (batch,) = run["batches"]
+        assert batch["sampler_kept_ids"].shape[-1] == 6  # the server's top 5, then the sampled token
+        sampled = batch["sampler_kept_ids"] == batch["completion_ids"][..., None]
+        assert (sampled.any(-1) | ~batch["completion_mask"].bool()).all()
+    assert_updates_agree(run["before"], replayed["update"], run["update"])
+
+
 @pytest.mark.launch
 @pytest.mark.timeout(600)  # the server's start and two launches: 29 s measured alone, 85 s beside the other stream
 @pytest.mark.slow
@@ -139,16 +157,67 @@ def test_two_processes_train_against_one_server_with_mu_right_on_each_and_one_pr
     spec = {"model_dir": vllm_model_dir, "server": True, "runs": runs}
     two, one = two_processes_then_one(tmp_path, spec, machines=machines)
     for name in runs:
-        assert two[name]["num_processes"] == 2
-        for seen in two[name]["seen"]:
-            ((mu, pi, mask),) = seen  # before the update: the trainer's weights are the server's
-            assert_mu_is_the_bf16_samplers(mu, pi, mask)
-        if name.endswith("topk_tv"):
-            (batch,) = two[name]["batches"]
-            assert batch["sampler_kept_ids"].shape[-1] == 6  # the server's top 5, then the sampled token
-            sampled = batch["sampler_kept_ids"] == batch["completion_ids"][..., None]
-            assert (sampled.any(-1) | ~batch["completion_mask"].bool()).all()
-        assert_updates_agree(two[name]["before"], one[name]["update"], two[name]["update"])
+        assert_each_process_has_the_servers_mu_and_the_step_is_one_processs(name, two[name], one[name])
+
+
+# DeepSpeed against one server (cpu_zero3.yaml): ZeRO-2 and ZeRO-3 on one machine of two processes, and ZeRO-3 on two
+# loopback machines of one process each
+ZERO_LAUNCHES = {
+    "zero2": {"launch_flags": ("--zero_stage", "2")},
+    "zero3": {"launch_flags": ("--zero_stage", "3")},
+    "zero3-two_machines": {"launch_flags": ("--zero_stage", "3"), "machines": 2},
+}
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(900)  # three launches and one replay: 104 s measured alone (the server started before)
+@pytest.mark.slow
+@pytest.mark.parametrize("vllm_server", ["processed_logprobs"], indirect=True)
+def test_zero_processes_train_against_one_server_with_mu_right_on_each_and_one_processs_update(
+    vllm_server, vllm_model_dir, tmp_path
+):
+    """Under ZeRO-2 and ZeRO-3 TRL's client stays on the main process and every process takes part in the sync's
+    gathers (ZeRO-3 with LoRA gathers the whole model to merge the adapters); each process's mu is the server's and
+    the step one process's, on one machine and, under ZeRO-3, on two. ZeRO's reductions are DDP's bit for bit
+    (tests/test_zero.py), so `assert_updates_agree`'s bound holds as for DDP. One process replays all their batches."""
+    require_deepspeed()
+    two, runs = {}, {}
+    for cell, options in ZERO_LAUNCHES.items():
+        cell_runs = {f"{cell}-{name}": settings for name, settings in server_runs(vllm_server).items()}
+        runs.update(cell_runs)
+        spec = {"model_dir": vllm_model_dir, "server": True, "runs": cell_runs}
+        two.update(run_launch_worker(tmp_path / cell, spec, 2, accelerate_config="cpu_zero3.yaml", **options))
+    torch.save(two, tmp_path / "zero.pt")
+    replay = {"model_dir": vllm_model_dir, "server": True, "runs": runs, "replay": str(tmp_path / "zero.pt")}
+    one = run_launch_worker(tmp_path / "1proc", replay, 1)
+    for name, run in two.items():
+        assert run["distributed_type"] == "DistributedType.DEEPSPEED"
+        assert run["partitioned"] == ("zero3" in name)
+        assert_each_process_has_the_servers_mu_and_the_step_is_one_processs(name, run, one[name])
+
+
+def test_a_server_is_refused_without_cuda_before_anything_starts(vllm_model_dir, prompts, tokenizer, tmp_path):
+    """TRL's sync to a server needs CUDA (NCCL): refused before the model loads or the server is asked anything (the
+    address is never contacted)."""
+    with pytest.raises(ValueError, match=r"over NCCL .* needs CUDA; this trainer runs on cpu\. Without GPUs"):
+        server_trainer(tmp_path, "http://127.0.0.1:9", vllm_model_dir, prompts, tokenizer)
+
+
+@pytest.mark.launch
+@pytest.mark.slow
+def test_a_server_without_cuda_is_refused_on_every_process_in_the_same_words(vllm_model_dir, tmp_path):
+    """TRL's client refuses on the main process alone, where it is created: DPPOTrainer refuses on each."""
+    settings = {"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": "http://127.0.0.1:9"}
+    errors = start_errors_on_two_processes(tmp_path, {"model_dir": vllm_model_dir, "expect_error": settings})
+    assert errors[0] == errors[1] and errors[0].startswith("ValueError: ") and "needs CUDA" in errors[0], errors
+
+
+def start_errors_on_two_processes(tmp_path, spec: dict) -> list[str]:
+    """The error each of two launched processes' trainers raised at start (tests/launch_worker.py's `expect_error`)."""
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    out = tmp_path / "refused"
+    launch(REPO / "tests" / "launch_worker.py", [str(tmp_path / "spec.json"), str(out)], processes=2)
+    return [(tmp_path / f"refused.rank{rank}").read_text() for rank in (0, 1)]
 
 
 @pytest.mark.launch
@@ -156,9 +225,5 @@ def test_two_processes_train_against_one_server_with_mu_right_on_each_and_one_pr
 @pytest.mark.parametrize("vllm_server", ["raw_logprobs"], indirect=True)
 def test_a_raw_logprobs_server_is_refused_on_every_process(vllm_server, vllm_model_dir, tmp_path):
     spec = {"model_dir": vllm_model_dir, "server": True, "expect_error": server_runs(vllm_server)["server-binary_tv"]}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    out = tmp_path / "refused"
-    launch(REPO / "tests" / "launch_worker.py", [str(tmp_path / "spec.json"), str(out)], processes=2)
-    for rank in (0, 1):
-        error = (tmp_path / f"refused.rank{rank}").read_text()
+    for error in start_errors_on_two_processes(tmp_path, spec):
         assert error.startswith("ValueError: ") and "runs with `--logprobs-mode raw_logprobs`" in error, error

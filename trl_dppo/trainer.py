@@ -55,6 +55,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 
+from . import vllm_server
 from .checkpoints import accept_indexed_cpu_device, complete_deepspeed_checkpoint_on_this_machine
 from .config import DPPOConfig
 from .corrections import apply_corrections
@@ -203,6 +204,8 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
             refuse_images_in_server_mode(train_dataset)
         if args.use_vllm:  # after the refusals that do not depend on it, before TRL's, which names TRL's extra
             require_extra("vllm", f"use_vllm=True (vllm_mode={args.vllm_mode!r})", INSTALL_VLLM)
+        if args.use_vllm and args.vllm_mode == "server":
+            vllm_server.refuse_weight_transfer_without_cuda(args.device)
         super().__init__(
             model,
             reward_funcs,
