@@ -1,6 +1,8 @@
 """Trains AsyncDPPOTrainer (SmolLM2 + LoRA, learning rate 0) against a vLLM server under whatever launched it and
-saves, per process, each loss computation's (pi, mu) of its loss terms: tests/test_async.py checks that with two
-training processes both train on the server's records.
+saves, per process, each loss computation's (pi, mu) of its loss terms and the policy versions that sampled them:
+tests/test_async.py checks that with two training processes, under DDP or DeepSpeed ZeRO, both train on the server's
+records under the adapter the trainer publishes. The adapter changes the model (PEFT starts B at 0, a no-op): a server
+serving another adapter, or none, gives mu far from pi.
 
     python tests/async_launch_worker.py SERVER_URL OUT_FILE
 """
@@ -16,6 +18,7 @@ from datasets import Dataset
 from peft import LoraConfig
 
 from trl_dppo import AsyncDPPOConfig, AsyncDPPOTrainer
+from trl_dppo.async_trainer import POLICY_VERSION
 from trl_dppo.jobs.default_model import default_model_path, smollm2_tokenizer
 
 
@@ -41,7 +44,7 @@ def main(url: str, out_file: str) -> None:
         token_budget=0,
         max_staleness=3,
         learning_rate=0.0,
-        max_steps=2,
+        max_steps=3,  # samples of versions published by at least two syncs
         logging_steps=1,
         save_strategy="no",
         gradient_checkpointing=False,
@@ -57,18 +60,32 @@ def main(url: str, out_file: str) -> None:
         processing_class=smollm2_tokenizer(),
         peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
     )
+    torch.manual_seed(0)  # the same adapter on every process, set before DeepSpeed partitions it
+    for name, param in trainer.model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(std=0.15)  # as tests/test_async.py's first test: the base model is far
     seen = []
-    trust_region_loss = trainer._trust_region_loss
+    compute_loss, trust_region_loss = trainer.compute_loss, trainer._trust_region_loss
+
+    def loss(model, inputs, *args, **kwargs):
+        terms = inputs["token_index"] >= 0
+        seen.append({"versions": inputs[POLICY_VERSION][terms].clone()})
+        return compute_loss(model, inputs, *args, **kwargs)
 
     def spy(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens, completions):
-        seen.append((trainer_logps.detach().clone(), sampler_logps.clone(), missing.clone()))
+        seen[-1].update(pi=trainer_logps.detach().clone(), mu=sampler_logps.clone(), missing=missing.clone())
         return trust_region_loss(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens, completions)
 
-    trainer._trust_region_loss = spy
+    trainer.compute_loss, trainer._trust_region_loss = loss, spy
     trainer.train()
-    torch.save(
-        {"num_processes": trainer.accelerator.num_processes, "seen": seen}, f"{out_file}.rank{os.environ['RANK']}"
-    )
+    result = {
+        "num_processes": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "partitioned": all(hasattr(p, "ds_id") for p in trainer.model.parameters()),
+        "published": sorted(trainer._published_at),
+        "seen": seen,
+    }
+    torch.save(result, f"{out_file}.rank{os.environ['RANK']}")
     if torch.distributed.is_initialized():  # else gloo can abort at exit after a good run (pytorch/pytorch#190489)
         gc.collect()
         torch.distributed.barrier()

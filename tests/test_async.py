@@ -20,7 +20,7 @@ from trl_dppo import AsyncDPPOConfig, AsyncDPPOTrainer
 from trl_dppo.jobs.default_model import default_model_path
 from trl_dppo.jobs.local_server import api_server_command, free_loopback_port, running_server
 
-from .conftest import REPO, NoWeightTransfer, launch, length_reward, require_vllm
+from .conftest import REPO, NoWeightTransfer, launch, length_reward, require_deepspeed, require_vllm
 
 
 require_vllm()
@@ -218,19 +218,38 @@ def test_full_weight_sync_over_nccl_is_refused_without_cuda(vllm_model_dir, toke
         AsyncDPPOTrainer(vllm_model_dir, length_reward, args, train_dataset=prompts, processing_class=tokenizer)
 
 
+# Two training processes over DDP, and under DeepSpeed ZeRO-2 and ZeRO-3 (where TRL's adapter sync saves the adapter
+# gathered: `async_trainer._adapter_gathered`)
+ASYNC_LAUNCHES = {
+    "ddp": {},
+    "zero2": {"accelerate_config": "cpu_zero3.yaml", "launch_flags": ("--zero_stage", "2")},
+    "zero3": {"accelerate_config": "cpu_zero3.yaml", "launch_flags": ("--zero_stage", "3")},
+}
+
+
 @pytest.mark.launch
 @pytest.mark.slow
-def test_two_training_processes_against_one_server_each_train_on_the_servers_records(server, tmp_path):
+@pytest.mark.parametrize("cell", list(ASYNC_LAUNCHES))
+def test_two_training_processes_against_one_server_each_train_on_the_servers_records_under_the_published_adapter(
+    server, tmp_path, cell
+):
     """TRL's rollout worker runs on the main process and hands each process its rows; both train on mu as the server
-    recorded it (learning rate 0: the trainer's weights stay the served ones)."""
+    recorded it under the adapter the trainer publishes (learning rate 0: the trainer's weights stay the published
+    ones; the adapter moves the model far from the base one, so a server without it gives mu far from pi), from the
+    samples of the versions that two syncs or more published."""
+    if cell != "ddp":
+        require_deepspeed()
     out = tmp_path / "async"
-    done = launch(REPO / "tests" / "async_launch_worker.py", [server, str(out)], processes=2)
+    done = launch(REPO / "tests" / "async_launch_worker.py", [server, str(out)], processes=2, **ASYNC_LAUNCHES[cell])
     assert done.returncode == 0, done.stderr[-4000:]
     for rank in (0, 1):
         run = torch.load(f"{out}.rank{rank}")
-        assert run["num_processes"] == 2 and len(run["seen"]) == 2
-        for pi, mu, missing in run["seen"]:
-            assert not missing.any()
+        assert run["num_processes"] == 2 and len(run["seen"]) == 3
+        assert run["partitioned"] == (cell == "zero3")
+        assert len(run["published"]) >= 3, run["published"]  # a version per optimizer step, after the first
+        for step in run["seen"]:
+            pi, mu = step["pi"], step["mu"]
+            assert not step["missing"].any()
             prob_gap = (mu.exp() - pi.exp()).abs()
             # the bf16 server's gap at temperature 0.7, as at one process (see the first test of this module)
             assert prob_gap.max() < 0.25 and 1e-4 < prob_gap.mean() < 0.02, (prob_gap.mean(), prob_gap.max())

@@ -27,6 +27,7 @@ small override (`docs/overrides.md`; `tests/test_upstream_contract.py` pins what
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable
@@ -157,6 +158,19 @@ def _check_worker_and_server(check_health: Callable[[float], None], watch: Serve
     watch.check()
 
 
+def _adapter_gathered(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """Under DeepSpeed ZeRO-3 each process holds a shard of every parameter, the adapter's included, and TRL's adapter
+    sync saves `model.state_dict()`'s LoRA tensors as it finds them (it gathers FSDP2's, not ZeRO-3's, whose local
+    tensors are empty): the adapter gathered whole on every process (a collective) while TRL saves it. A no-op
+    without ZeRO-3."""
+    partitioned = [param for name, param in model.named_parameters() if "lora_" in name and hasattr(param, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed  # only under a ZeRO-3 launch, which imports it
+
+    return deepspeed.zero.GatheredParameters(partitioned)
+
+
 @contextmanager
 def _peak_flops_unknown_without_cuda():
     """Without CUDA, the device's peak FLOPs are unknown: TRL reads them through `torch.cuda.get_device_name`, which
@@ -275,7 +289,8 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
 
     def _sync_weight(self):
         try:
-            super()._sync_weight()
+            with _adapter_gathered(self.model) if self._lora_sync else contextlib.nullcontext():
+                super()._sync_weight()
         except (
             OSError
         ) as error:  # as TRL's `requests.ConnectionError`: if the server is gone, say so and how to resume
