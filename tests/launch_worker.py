@@ -13,7 +13,8 @@ The main process saves, per run: each process's (mu, pi, loss mask) from each st
 batch of each step (the processes' rows in process order), the trainable parameters before training and the update
 (under ZeRO-3, which partitions the parameters, both read gathered).
 With `count_gathers` (ZeRO-3), each run also reports the most parameter elements gathered at once while it trained.
-With `expect_error`, each process instead saves the error its trainer raised at start (`OUT_FILE.rank<i>`).
+With `expect_error`, each process instead saves the error its trainer raised at start (`OUT_FILE.rank<i>`); the
+runs of `refused` (name -> settings, as `runs`) are started after `runs` and saved as each process's error.
 """
 
 from __future__ import annotations
@@ -148,6 +149,11 @@ class GatherCount:
 GATHERS = GatherCount()
 
 
+def peft_config(lora: bool | dict) -> LoraConfig | None:
+    """A run's `"lora"` setting: false for full fine-tuning, else `LORA` with the setting's fields over it."""
+    return None if lora is False else LoraConfig(**{**LORA, **(lora if isinstance(lora, dict) else {})})
+
+
 def train(name: str, settings: dict, spec: dict, out_file: str) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     set_seed(0)  # the LoRA initialisation
@@ -162,7 +168,7 @@ def train(name: str, settings: dict, spec: dict, out_file: str) -> dict:
         args=config(f"{out_file}.runs/{name}", world, settings),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=smollm2_tokenizer(),
-        peft_config=None if lora is False else LoraConfig(**{**LORA, **(lora if isinstance(lora, dict) else {})}),
+        peft_config=peft_config(lora),
     )
     assert trainer.accelerator.num_processes == world, f"{world} processes launched"
     generated = []
@@ -225,6 +231,8 @@ def train(name: str, settings: dict, spec: dict, out_file: str) -> dict:
 def start_error(settings: dict, spec: dict, out_file: str) -> str:
     """The error the trainer raises at start on this process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    settings = dict(settings)
+    lora = settings.pop("lora", False)
     try:
         DPPOTrainer(
             model=spec["model_dir"],
@@ -232,6 +240,7 @@ def start_error(settings: dict, spec: dict, out_file: str) -> str:
             args=config(f"{out_file}.runs/refused", world, settings),
             train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
             processing_class=smollm2_tokenizer(),
+            peft_config=peft_config(lora),
         )
     except Exception as error:  # noqa: BLE001  (the test reads which error each process raised)
         return f"{type(error).__name__}: {error}"
@@ -269,6 +278,10 @@ def main(spec_file: str, out_file: str) -> None:
             f.write(start_error(spec["expect_error"], spec, out_file))
         return
     results = {name: train(name, settings, spec, out_file) for name, settings in spec["runs"].items()}
+    # Runs refused at start, beside the trained ones in the same launch: each process's error
+    refused = {} if spec.get("replay") else spec.get("refused", {})
+    refused = {name: start_error(settings, spec, out_file) for name, settings in refused.items()}
+    results.update({name: {"errors": gather_object([error])} for name, error in refused.items()})
     if rank == 0:
         torch.save(results, out_file)
     colocated = any(settings.get("vllm_mode") == "colocate" for settings in spec["runs"].values())

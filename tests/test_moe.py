@@ -283,46 +283,81 @@ def test_the_async_trainer_scores_an_moe_as_its_sampler_did(moe_model_dir, token
     assert trainer._metrics["train"]["aux_loss"][-1] > 0
 
 
+REENTRANT = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}
+
+
+def test_a_load_balancing_loss_that_reentrant_checkpointing_would_not_train_is_refused_by_both_trainers(
+    moe_model_dir, tokenizer, prompts, tmp_path
+):
+    """Reentrant checkpointing keeps no gradient of the router logits recorded inside a layer: the auxiliary loss would
+    be logged and never trained (GRPOTrainer sets it for PEFT under ZeRO-3; that launch is refused in
+    `test_two_processes_replay_*[zero3]`). Without the auxiliary loss, or without checkpointing, both trainers start."""
+    from .test_async_loss import stub_trainer
+
+    refusal = r"load-balancing loss would train nothing: .* use_reentrant=True .* Set gradient_checkpointing=False"
+    with pytest.raises(ValueError, match=refusal):
+        moe_trainer(tmp_path, moe_model_dir, prompts, tokenizer, **REENTRANT)
+    with pytest.raises(ValueError, match=refusal):
+        stub_trainer(tmp_path, moe_model_dir, tokenizer, prompts, **REENTRANT)
+    moe_trainer(tmp_path, moe_model_dir, prompts, tokenizer, **REENTRANT, router_aux_loss_coef=0.0)
+    stub_trainer(tmp_path, moe_model_dir, tokenizer, prompts, **REENTRANT, router_aux_loss_coef=0.0)
+
+
 R3 = {"use_rollout_routing_replay": True, "max_completion_length": 12}
 EXPERT_LORA = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}  # attention's too
 # Two processes over DDP, and under DeepSpeed ZeRO-3 (every parameter partitioned, the experts' fused weights
-# included), there with LoRA on attention and with LoRA on the experts too
+# included), there with LoRA on attention and with LoRA on the experts too, two steps. Under ZeRO-3 with a PEFT model
+# GRPOTrainer makes gradient checkpointing reentrant, under which the auxiliary loss trains nothing (measured: the
+# update was the one without it, bit for bit): refused at start, so these runs train without checkpointing
+ZERO3_R3 = {**R3, "gradient_checkpointing": False, "max_steps": 2}
 MOE_LAUNCHES = {
-    "ddp": ({}, {"transformers-r3": R3}),
+    "ddp": ({}, {"transformers-r3": R3}, {}),
     "zero3": (
         {"accelerate_config": "cpu_zero3.yaml", "launch_flags": ("--zero_stage", "3")},
-        {"zero3-r3": R3, "zero3-r3-expert_lora": {**R3, "lora": EXPERT_LORA}},
+        {"zero3-r3": ZERO3_R3, "zero3-r3-expert_lora": {**ZERO3_R3, "lora": EXPERT_LORA}},
+        {"zero3-r3-checkpointed": {**R3, "lora": True}},
     ),
 }
 
 
 @pytest.mark.launch
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # two launches: MEASURED
+@pytest.mark.timeout(600)  # a launch and a replay: 32-75 s measured beside another launching test
 @pytest.mark.parametrize("launch", list(MOE_LAUNCHES))
 def test_two_processes_replay_their_own_routes_and_make_one_processs_update(
     moe_model_dir, tokenizer, tmp_path, launch
 ):
     """Router replay under `accelerate launch` with two processes: each records and replays the routes of the rows it
-    generated (mu = pi on each), and the update equals one process's on the same global batch, routes included."""
+    generated (mu = pi on each, at each step), and the update equals one process's on the same global batches, routes
+    included."""
     if launch == "zero3":
         require_deepspeed()
-    options, runs = MOE_LAUNCHES[launch]
-    two, one = two_processes_then_one(tmp_path, {"model_dir": moe_model_dir, "runs": runs}, **options)
+    options, runs, refused = MOE_LAUNCHES[launch]
+    spec = {"model_dir": moe_model_dir, "runs": runs, "refused": refused}
+    two, one = two_processes_then_one(tmp_path, spec, **options)
+    for name in refused:
+        errors = two[name]["errors"]
+        assert errors[0] == errors[1] and "load-balancing loss would train nothing" in errors[0], errors
     for name in runs:
         run = two[name]
         assert run["num_processes"] == 2 and run["partitioned"] == (launch == "zero3")
         for seen in run["seen"]:
-            ((mu, pi, mask),) = seen
-            assert (mu - pi).abs()[mask].max() <= moe_logprob_atol(tokenizer, pi[mask])
+            assert len(seen) == runs[name].get("max_steps", 1)
+            for mu, pi, mask in seen:
+                assert (mu - pi).abs()[mask].max() <= moe_logprob_atol(tokenizer, pi[mask])
         assert (run["batches"][0]["sampler_routes"] >= 0).any()
-        assert run["logs"][0]["routing/differing_expert_sets"] == 0.0  # fp32 on both sides: the same routes
-        # One process's update of the same batch, routes included. Looser than `conftest.assert_updates_agree`'s
+        assert all(
+            log["routing/differing_expert_sets"] == 0.0
+            for log in run["logs"]
+            if "routing/differing_expert_sets" in log
+        )
+        # One process's update of the same batches, routes included. Looser than `conftest.assert_updates_agree`'s
         # bound for dense models: in an MoE each expert's matmuls run over the tokens routed to it, a batch-dependent
         # subset (4 rows per process against 8), and their outputs are summed back with `index_add_` in that subset's
-        # order, so the forward itself reassociates with the batch, by O(ulps) of the activations (measured: 1.1e-6
-        # beyond the dense bound). 1e-3 of the tensor's largest update bounds that with room, and a mis-split batch or
-        # another normalisation moves an update by its own size.
+        # order, so the forward itself reassociates with the batch, by O(ulps) of the activations; and the
+        # load-balancing loss is each process's own batch's, averaged (measured together: 4e-5 of the update). 1e-3
+        # of the tensor's largest update bounds that with room; a mis-split batch, another normalisation or the
+        # auxiliary loss left untrained (4e-3 here) moves an update further.
         update, other = run["update"], one[name]["update"]
         assert any(u.abs().max() > 1e-3 for u in update.values()), "the update should be visible"
         if name.endswith("expert_lora"):  # the experts' adapters are trained, partitioned as the rest

@@ -27,8 +27,8 @@ from .conftest import length_reward, make_trainer, require_vllm
 require_vllm()
 
 
-# Each test starts a server twice (about a minute each on 2 cores) and trains 4 steps: 80-120 s measured alone, up to
-# twice that beside CI's other stream; a fault the watch missed would hang the run until this bound
+# Each test starts a server (about a minute on 2 cores; one more for the synchronous runs' resume) and trains 4 steps:
+# 80-120 s measured alone, up to twice that beside CI's other stream; a fault the watch missed would hang the run until this bound
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 STALL_TIMEOUT_S = 20
@@ -57,9 +57,25 @@ class FaultAfterSave(TrainerCallback):
             self.at = time.monotonic()
 
 
+@pytest.fixture(scope="module")
+def answering_server(vllm_model_dir, tmp_path_factory):
+    """The server that answers again, which both synchronous runs resume against: one start saved. Started at the
+    first call, once the faulted server is gone (never two servers at once), and stopped after the module."""
+    started = []
+
+    def url() -> str:
+        if not started:
+            started.append(start_server(vllm_model_dir, tmp_path_factory.mktemp("answering") / "server.log"))
+        return started[0].url
+
+    yield url
+    for server in started:
+        server.stop()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGSTOP, signal.SIGKILL], ids=["hung", "killed"])
 def test_a_hung_or_killed_server_ends_sync_server_mode_within_the_bound_and_the_run_resumes(
-    signum, vllm_model_dir, prompts, tokenizer, tmp_path, no_nccl_weight_transfer
+    signum, vllm_model_dir, prompts, tokenizer, tmp_path, no_nccl_weight_transfer, answering_server
 ):
     """Hung: TRL's request would wait for ever. Killed: TRL's client retries a refused connection (urllib3's backoff,
     about a minute) and raises a bare ConnectionError; the watch ends it sooner, with the server named."""
@@ -90,14 +106,10 @@ def test_a_hung_or_killed_server_ends_sync_server_mode_within_the_bound_and_the_
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{server.url}/health", timeout=5)
 
-    server = start_server(vllm_model_dir, tmp_path / "server-restarted.log")
-    try:
-        trainer = make_trainer(
-            tmp_path, vllm_model_dir, prompts, tokenizer, vllm_server_base_url=server.url, **settings
-        )
-        trainer.train(resume_from_checkpoint=True)
-    finally:
-        server.stop()
+    trainer = make_trainer(
+        tmp_path, vllm_model_dir, prompts, tokenizer, vllm_server_base_url=answering_server(), **settings
+    )
+    trainer.train(resume_from_checkpoint=True)
     steps = [entry["step"] for entry in trainer.state.log_history if "loss" in entry]
     assert steps == [1, 2, 3, 4]  # steps 1-2 from the checkpoint's history, 3-4 trained after the restart
 

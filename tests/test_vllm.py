@@ -238,6 +238,10 @@ TWO_PROCESS_LAUNCHES = {
 }
 
 
+# The divergences trained with full fine-tuning (no PEFT) beside the LoRA cells, by launch
+FULL_FINE_TUNING = {"zero2": ("binary_tv",), "zero3": ("binary_tv", "topk_tv")}
+
+
 @pytest.mark.launch
 @pytest.mark.timeout(
     600
@@ -263,8 +267,12 @@ def test_two_processes_each_with_a_colocated_engine_record_mu_after_each_checked
         f"{launch}-colocate-{divergence}": {**colocate, "divergence": divergence, "max_steps": 2}
         for divergence in ("binary_tv", "topk_tv")
     }
-    if launch == "zero3":  # without PEFT, TRL gathers the partitioned weights for the sync one parameter at a time
-        runs["zero3-colocate-binary_tv-full"] = {**colocate, "divergence": "binary_tv", "max_steps": 2, "lora": False}
+    # Full fine-tuning beside the engines: binary under ZeRO-2, binary and top-K under ZeRO-3 (without PEFT, TRL
+    # gathers the partitioned weights for the sync one parameter at a time)
+    for divergence in FULL_FINE_TUNING.get(launch, ()):
+        runs[f"{launch}-colocate-{divergence}-full"] = {
+            **colocate, "divergence": divergence, "max_steps": 2, "lora": False
+        }  # fmt: skip
     spec = {"model_dir": vllm_model_dir, "runs": runs, "count_gathers": launch == "zero3"}
     two, one = two_processes_then_one(tmp_path, spec, **TWO_PROCESS_LAUNCHES[launch])
     for name in runs:

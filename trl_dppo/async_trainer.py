@@ -58,6 +58,7 @@ from .divergence import binary_divergence, trust_region_mask
 from .extras import INSTALL_VLLM, require_extra
 from .images import refuse_images_in_async_prompts
 from .losses import loss_from_weights
+from .moe import refuse_untrained_aux_loss
 from .non_finite import StopOnNonFinite
 from .sequences import SequenceLayout
 from .server_watch import ServerWatch
@@ -252,6 +253,7 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
         if args.disable_dropout:  # GRPOTrainer's own step, which AsyncGRPOTrainer lacks
             disable_dropout_in_model(self.model)
         check_training_dropout(self.model, args.disable_dropout)
+        refuse_untrained_aux_loss(self.aux_loss_enabled, self.args)
         # Registered after TRL's own registration in `super().__init__`, which it replaces
         register_tree_attention_without_kernel(TREE_ATTENTION, self.accelerator.device)
         # On the main process with TRL's own rollout worker: whether the server it samples from still answers

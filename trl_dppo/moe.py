@@ -40,6 +40,7 @@ __all__ = [
     "generating_without_router_logits",
     "is_moe",
     "moe_routers",
+    "refuse_untrained_aux_loss",
     "replayed_gate_weights",
 ]
 
@@ -243,3 +244,24 @@ def is_moe(config) -> bool:
     """Whether a model config describes a Mixture-of-Experts model: TRL's own test (it has `output_router_logits`)."""
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return hasattr(text_config, "output_router_logits")
+
+
+def refuse_untrained_aux_loss(aux_loss_enabled: bool, args) -> None:
+    """Refuse an MoE's load-balancing loss that would train nothing: reentrant gradient checkpointing.
+
+    TRL adds the router's auxiliary loss computed from the router logits of the loss's forward. Reentrant checkpointing
+    runs each layer's first forward without a graph and keeps the gradient of the layer's output alone, so the router
+    logits recorded inside the layer carry none, and the auxiliary loss adds nothing to the update (measured under
+    ZeRO-3: the update equals the one with `router_aux_loss_coef=0.0` bit for bit). GRPOTrainer forces
+    `use_reentrant=True` for a PEFT model under DeepSpeed ZeRO-3 (its workaround of deepspeedai/DeepSpeed#8130), so
+    there the run would train without load balancing while logging `aux_loss`. Read after the trainer's
+    `super().__init__`, which sets both.
+    """
+    kwargs = args.gradient_checkpointing_kwargs or {}
+    if aux_loss_enabled and args.gradient_checkpointing and kwargs.get("use_reentrant"):
+        raise ValueError(
+            "The MoE's load-balancing loss would train nothing: gradient checkpointing runs with use_reentrant=True "
+            "(TRL sets it for a PEFT model under DeepSpeed ZeRO-3), which gives the router logits recorded inside "
+            "each layer no gradient, so `aux_loss` is logged but never trained. Set gradient_checkpointing=False to "
+            "train it, or router_aux_loss_coef=0.0 to train without it."
+        )

@@ -69,6 +69,7 @@ from .moe import (
     RoutingRecorder,
     check_router_replay_support,
     generating_without_router_logits,
+    refuse_untrained_aux_loss,
 )
 from .non_finite import StopOnNonFinite
 from .records import MissingRecordsError, SamplerRecords
@@ -224,6 +225,7 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
         )
         accept_indexed_cpu_device(self.args.device)  # a resume on several CPU processes loads onto `cpu:0`
         check_training_dropout(self.model, args.disable_dropout)  # after GRPOTrainer's `disable_dropout`
+        refuse_untrained_aux_loss(self.aux_loss_enabled, self.args)  # after GRPOTrainer's checkpointing settings
         if prompt_rows and not self.use_vllm and self.rollout_func is None and not self._is_vlm:
             self._check_prompt_lengths(prompt_rows)
         self.trust_region = get_trust_region(args.trust_region)
