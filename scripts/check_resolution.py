@@ -5,7 +5,8 @@ downloaded but metadata, so a CUDA torch costs nothing here. A user stack is pin
 resolves only if the wheel's ranges accept every one of its versions, i.e. installing the wheel into that environment
 changes none of them. pip reads PyPI alone, as on a user's machine: this machine's pip configuration (a local
 wheel of the CPU torch, a constraint capping torch at 2.14.1) is left out. A vLLM check asks for the wheel's `[vllm]` extra with one vLLM minor release and records the
-torch and transformers pip picks (each vLLM release pins one torch). Exits 1 if anything that should resolve does not.
+torch and transformers pip picks (each vLLM release pins one torch); the `[deepspeed]` extra is checked beside the
+user stacks. Exits 1 if anything that should resolve does not.
 
 Usage: python scripts/check_resolution.py dist/trl_dppo-VERSION-py3-none-any.whl [--vllm] [--write docs/resolution.md]
 """
@@ -70,6 +71,10 @@ def checks(with_vllm: bool) -> list[Check]:
         Check("oldest supported (scripts/test_oldest.sh)", OLDEST),
         Check("newest releases", NEWEST),
         Check("newest releases, torch 2.15", {**NEWEST, "torch": "2.15.0"}),
+        # the `[deepspeed]` extra beside those stacks: the DeepSpeed release tests/test_zero.py runs (the newest)
+        Check("a TRL user's GPU machine, DeepSpeed", {**user, "deepspeed": "0.19.8"}, extra="[deepspeed]"),
+        Check("oldest supported, DeepSpeed", {**OLDEST, "deepspeed": "0.19.8"}, extra="[deepspeed]"),
+        Check("newest releases, DeepSpeed", {**NEWEST, "deepspeed": "0.19.8"}, extra="[deepspeed]"),
     ]
     vllm = [Check(f"vLLM {minor}", {"vllm": f"{minor}.*"}, extra="[vllm]") for minor in VLLM_MINORS]
     return stacks + vllm if with_vllm else stacks
@@ -98,7 +103,7 @@ def resolve(wheel: Path, check: Check) -> Check:
 
 
 def table(results: list[Check]) -> str:
-    shown = ["torch", "transformers", "accelerate", "peft", "datasets", "trl", "vllm"]
+    shown = ["torch", "transformers", "accelerate", "peft", "datasets", "trl", "vllm", "deepspeed"]
     rows = ["| next to the wheel | resolves | " + " | ".join(shown) + " |", "|---" * (len(shown) + 2) + "|"]
     for check in results:
         verdict = "yes" if not check.error else f"**no**: {check.error}"
@@ -130,7 +135,8 @@ def main() -> int:
             f"Written by `python scripts/check_resolution.py {wheel.name}{' --vllm' if args.vllm else ''} --write "
             f"{args.write}` (pip's resolver, a dry run on PyPI's metadata; `.ci/run` checks the pinned stacks). A "
             "pinned stack resolves only if installing the wheel into it changes none of its versions. A vLLM row "
-            "shows the torch and transformers pip picks beside that vLLM minor release."
+            "shows the torch and transformers pip picks beside that vLLM minor release; a DeepSpeed row adds the "
+            "`[deepspeed]` extra with the DeepSpeed release the ZeRO tests run."
         )
         header = "# What pip resolves next to the wheel\n\n" + textwrap.fill(about, 119, break_on_hyphens=False)
         args.write.write_text(f"{header}\n\n{report}\n")

@@ -59,18 +59,11 @@ class FaultAfterSave(TrainerCallback):
 
 @pytest.fixture(scope="module")
 def answering_server(vllm_model_dir, tmp_path_factory):
-    """The server that answers again, which both synchronous runs resume against: one start saved. Started at the
-    first call, once the faulted server is gone (never two servers at once), and stopped after the module."""
-    started = []
-
-    def url() -> str:
-        if not started:
-            started.append(start_server(vllm_model_dir, tmp_path_factory.mktemp("answering") / "server.log"))
-        return started[0].url
-
-    yield url
-    for server in started:
-        server.stop()
+    """The server that answers again, which both synchronous runs resume against: one start saved. Started before
+    the first of them (a process of the run's, not of a test's: `tests/process_bounds.py`), stopped after the module."""
+    server = start_server(vllm_model_dir, tmp_path_factory.mktemp("answering") / "server.log")
+    yield server.url
+    server.stop()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGSTOP, signal.SIGKILL], ids=["hung", "killed"])
@@ -107,7 +100,7 @@ def test_a_hung_or_killed_server_ends_sync_server_mode_within_the_bound_and_the_
         requests.get(f"{server.url}/health", timeout=5)
 
     trainer = make_trainer(
-        tmp_path, vllm_model_dir, prompts, tokenizer, vllm_server_base_url=answering_server(), **settings
+        tmp_path, vllm_model_dir, prompts, tokenizer, vllm_server_base_url=answering_server, **settings
     )
     trainer.train(resume_from_checkpoint=True)
     steps = [entry["step"] for entry in trainer.state.log_history if "loss" in entry]

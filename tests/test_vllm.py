@@ -229,15 +229,16 @@ def test_colocated_topk_records_come_from_vllms_flat_output():
     assert batch["sampler_kept_logps"][0, 0].tolist() == [pytest.approx(-0.1), -2.0, -5.0]
 
 
-# Two processes, each with its engine: DDP (examples/accelerate_configs/cpu_2proc.yaml) and DeepSpeed ZeRO-2 and
-# ZeRO-3 (cpu_zero3.yaml, --zero_stage N)
+# Two processes, each with its engine: DDP (examples/accelerate_configs/cpu_2proc.yaml) on one machine and on two
+# loopback machines of one process each, and DeepSpeed ZeRO-2 and ZeRO-3 (cpu_zero3.yaml, --zero_stage N)
 TWO_PROCESS_LAUNCHES = {
     "ddp": {},
+    "ddp-two_machines": {"machines": 2},
     "zero2": {"accelerate_config": "cpu_zero3.yaml", "launch_flags": ("--zero_stage", "2")},
     "zero3": {"accelerate_config": "cpu_zero3.yaml", "launch_flags": ("--zero_stage", "3")},
 }
-
-
+# The divergences trained with LoRA, by launch (two machines: what differs from one is where the engines start)
+LORA_DIVERGENCES = {"ddp-two_machines": ("binary_tv",)}
 # The divergences trained with full fine-tuning (no PEFT) beside the LoRA cells, by launch
 FULL_FINE_TUNING = {"zero2": ("binary_tv",), "zero3": ("binary_tv", "topk_tv")}
 
@@ -259,13 +260,13 @@ def test_two_processes_each_with_a_colocated_engine_record_mu_after_each_checked
     is one process's on the same batches (ZeRO's reductions are DDP's bit for bit: tests/test_zero.py). Two steps, as
     `assert_updates_agree` derives its bound for: from a third on, the rounding-level difference of the processes'
     weights moves the next gradients by more than rounding (measured)."""
-    if launch != "ddp":
+    if launch.startswith("zero"):
         require_deepspeed()
     colocate = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 256}
     colocate["vllm_gpu_memory_utilization"] = 0.3
     runs = {
         f"{launch}-colocate-{divergence}": {**colocate, "divergence": divergence, "max_steps": 2}
-        for divergence in ("binary_tv", "topk_tv")
+        for divergence in LORA_DIVERGENCES.get(launch, ("binary_tv", "topk_tv"))
     }
     # Full fine-tuning beside the engines: binary under ZeRO-2, binary and top-K under ZeRO-3 (without PEFT, TRL
     # gathers the partitioned weights for the sync one parameter at a time)
