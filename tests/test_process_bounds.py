@@ -32,7 +32,7 @@ def test_a_launch_blocked_in_a_collective_fails_within_its_bound_with_each_worke
 ):
     """Two launched processes, the main one in gloo's barrier, the other asleep: past the launch's bound both stacks
     are in the error, and no process of the launch (launcher, elastic agent, workers in their own sessions) is left."""
-    bound_s = 40  # the launch's start (torch imported by the agent and by each worker): about 10 s on 2 cores
+    bound_s = 30  # the launch's start (torch imported by the agent and by each worker): about 10 s on 2 cores
     started = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired) as timeout:
         launch(REPO / "tests" / "hang_worker.py", [str(tmp_path)], processes=2, timeout_s=bound_s)

@@ -237,10 +237,15 @@ TWO_PROCESS_LAUNCHES = {
     "zero2": {"accelerate_config": "cpu_zero3.yaml", "launch_flags": ("--zero_stage", "2")},
     "zero3": {"accelerate_config": "cpu_zero3.yaml", "launch_flags": ("--zero_stage", "3")},
 }
-# The divergences trained with LoRA, by launch (two machines: what differs from one is where the engines start)
-LORA_DIVERGENCES = {"ddp-two_machines": ("binary_tv",)}
-# The divergences trained with full fine-tuning (no PEFT) beside the LoRA cells, by launch
-FULL_FINE_TUNING = {"zero2": ("binary_tv",), "zero3": ("binary_tv", "topk_tv")}
+# The divergences trained, with LoRA and with full fine-tuning (no PEFT), by launch: each divergence once under DDP
+# (two machines differ from one in where the engines start, not in the sync), full fine-tuning beside LoRA under ZeRO
+LORA_DIVERGENCES = {
+    "ddp": ("binary_tv",),
+    "ddp-two_machines": ("topk_tv",),
+    "zero2": ("binary_tv", "topk_tv"),
+    "zero3": ("binary_tv", "topk_tv"),
+}
+FULL_FINE_TUNING = {"zero2": ("binary_tv",), "zero3": ("topk_tv",)}
 
 
 @pytest.mark.launch
@@ -266,10 +271,10 @@ def test_two_processes_each_with_a_colocated_engine_record_mu_after_each_checked
     colocate["vllm_gpu_memory_utilization"] = 0.3
     runs = {
         f"{launch}-colocate-{divergence}": {**colocate, "divergence": divergence, "max_steps": 2}
-        for divergence in LORA_DIVERGENCES.get(launch, ("binary_tv", "topk_tv"))
+        for divergence in LORA_DIVERGENCES[launch]
     }
-    # Full fine-tuning beside the engines: binary under ZeRO-2, binary and top-K under ZeRO-3 (without PEFT, TRL
-    # gathers the partitioned weights for the sync one parameter at a time)
+    # Full fine-tuning beside the engines (under ZeRO-3 without PEFT, TRL gathers the partitioned weights for the sync
+    # one parameter at a time)
     for divergence in FULL_FINE_TUNING.get(launch, ()):
         runs[f"{launch}-colocate-{divergence}-full"] = {
             **colocate, "divergence": divergence, "max_steps": 2, "lora": False
@@ -320,3 +325,14 @@ def test_vllms_names_and_layers_the_sync_check_reads_are_as_it_assumes():
     )
     assert "self._gemm_impl(layer, x, layer.weight, bias)" in inspect.getsource(UnquantizedLinearMethod.apply)
     assert "model_runner.model.load_weights([(name, param)])" in inspect.getsource(VLLMGeneration.sync_weights)
+
+
+def test_a_sync_without_a_check_is_logged_as_unchecked_after_it_ran():
+    """The paths no check reads (TRL's per-parameter load on GPUs, the server's NCCL sync): each sync logs
+    `weight_sync/unchecked` 1.0 once it has run, whatever it returns."""
+    from trl_dppo.weight_sync import counting_unchecked_syncs
+
+    events = []
+    sync = counting_unchecked_syncs(lambda: events.append("synced") or "result", lambda *log: events.append(log))
+    assert sync() == "result" and sync() == "result"
+    assert events == ["synced", ("weight_sync/unchecked", 1.0)] * 2

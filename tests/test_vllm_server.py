@@ -11,6 +11,7 @@ In CI vLLM must be importable, as for tests/test_vllm.py (`conftest.require_vllm
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -79,10 +80,14 @@ def test_dppo_trains_against_a_processed_logprobs_server(
     tokenizer,
     tmp_path,
     no_nccl_weight_transfer,  # noqa: F811
+    caplog,
 ):
-    trainer = server_trainer(
-        tmp_path, vllm_server, vllm_model_dir, prompts, tokenizer, divergence=divergence, divergence_topk=5
-    )
+    with caplog.at_level(logging.WARNING, logger="trl_dppo.weight_sync"):
+        trainer = server_trainer(
+            tmp_path, vllm_server, vllm_model_dir, prompts, tokenizer, divergence=divergence, divergence_topk=5
+        )
+    # no reader of the server's weights yet: said at start, and each sync logged as unchecked
+    assert "weight_sync_check does not run on TRL's full-weight sync to the vLLM server (NCCL)" in caplog.text
     seen = spy_on_trust_region(trainer)
     trainer.train()
     server_info = trainer.vllm_generation.vllm_client.get_server_info()["model_config"]
@@ -102,6 +107,8 @@ def test_dppo_trains_against_a_processed_logprobs_server(
             assert (top[:, :-1] >= top[:, 1:]).all()  # ranked, most likely first
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == 2 and all(entry["mismatch/missing_sampler_logps"] == 0 for entry in logs)
+    # TRL syncs before each step's generation, the first included: one unchecked sync per step
+    assert all(entry["weight_sync/unchecked"] == 1.0 for entry in logs)
 
 
 @pytest.mark.parametrize("vllm_server", ["raw_logprobs"], indirect=True)

@@ -67,6 +67,7 @@ from .trainer import DPPOTrainer, check_training_dropout
 from .tree_attention import register_tree_attention_without_kernel
 from .trust_regions import TrustRegion, TrustRegionInput, get_trust_region
 from .vllm_server import refuse_unprocessed_logprobs
+from .weight_sync import warn_unchecked_syncs
 
 
 if TYPE_CHECKING:
@@ -254,6 +255,9 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
             disable_dropout_in_model(self.model)
         check_training_dropout(self.model, args.disable_dropout)
         refuse_untrained_aux_loss(self.aux_loss_enabled, self.args)
+        if self.accelerator.is_main_process:
+            sync = "TRL's adapter-file sync" if self._lora_sync else "the full-weight sync"
+            warn_unchecked_syncs(f"AsyncDPPOTrainer's weight sync ({sync} to the server)")
         # Registered after TRL's own registration in `super().__init__`, which it replaces
         register_tree_attention_without_kernel(TREE_ATTENTION, self.accelerator.device)
         # On the main process with TRL's own rollout worker: whether the server it samples from still answers
@@ -299,6 +303,7 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
             if self._server_watch is not None and not self._server_watch.answers():
                 raise self._server_watch.error() from error
             raise
+        self._metrics["train"]["weight_sync/unchecked"].append(1.0)  # no reader of the served weights yet
         # TRL counts versions on the main process only; every process's loss needs each version's step for its
         # samples' lag in updates
         version, step = broadcast_object_list([(self.model_version, self.state.global_step)], from_process=0)[0]

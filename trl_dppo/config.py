@@ -310,7 +310,8 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
             error naming each tensor that differs and its largest difference; `"log"` trains on and logs
             `weight_sync/mismatched_parameters` and `weight_sync/max_abs_diff`; `"off"` skips the check. Every
             check logs `weight_sync/checked_parameters`. Other sync paths (TRL's on GPUs, servers) are not checked
-            yet (docs/vllm.md).
+            yet (docs/vllm.md): a warning at start names the path, and each of their syncs logs
+            `weight_sync/unchecked` (as each sync does with `"off"`).
         weight_sync_check_layers (`int`, defaults to `2`):
             How many decoder layers each check compares, chosen anew at each sync, besides every tensor outside the
             decoder layers (embedding, LM head, final norm). A number at least the model's layer count checks all.

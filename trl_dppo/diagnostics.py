@@ -102,6 +102,7 @@ COUNTS = frozenset(
         "mismatch/missing_sampler_logps",
         "weight_sync/checked_parameters",
         "weight_sync/mismatched_parameters",
+        "weight_sync/unchecked",
     }
 )
 

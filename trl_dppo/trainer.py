@@ -85,7 +85,14 @@ from .server_watch import ServerWatch
 from .topk import check_topk_sharding, check_topk_support, lm_head_kept_logps
 from .trust_regions import TrustRegionInput, get_trust_region
 from .vllm_server import refuse_unprocessed_logprobs
-from .weight_sync import WeightSyncCheck, checking_weight_sync, resetting_encoder_cache, sync_weights_in_place
+from .weight_sync import (
+    WeightSyncCheck,
+    checking_weight_sync,
+    counting_unchecked_syncs,
+    resetting_encoder_cache,
+    sync_weights_in_place,
+    warn_unchecked_syncs,
+)
 
 
 if TYPE_CHECKING:
@@ -289,7 +296,8 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
     # ----------------------------------------------------------------------------------------------- generation
 
     def _wrap_vllm_backend(self) -> None:
-        """Record mu (and the top-K) from vLLM's output, and sync weights in place on vLLM's CPU backend, checked."""
+        """Record mu (and the top-K) from vLLM's output, and sync weights in place on vLLM's CPU backend, checked; any
+        other sync is said unchecked at start and logged as `weight_sync/unchecked`."""
         backend = self.vllm_generation
         if backend.mode == "server":  # TRL checks the mode only with `vllm_importance_sampling_correction`
             # TRL creates the server's client on the main process only
@@ -326,8 +334,15 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
                         self._log_weight_sync,
                     )
                     backend.sync_weights = checking_weight_sync(backend.sync_weights, check)
+                    return  # checked: the one path with a check so far
             elif multimodal:
                 backend.sync_weights = resetting_encoder_cache(backend.sync_weights, backend.llm)
+            unchecked_path = f"TRL's per-parameter load into the colocated engine ({current_platform.device_type})"
+        else:
+            unchecked_path = "TRL's full-weight sync to the vLLM server (NCCL)"
+        if self.args.weight_sync_check != "off" and self.accelerator.is_main_process:
+            warn_unchecked_syncs(unchecked_path)
+        backend.sync_weights = counting_unchecked_syncs(backend.sync_weights, self._log_weight_sync)
 
     def _log_weight_sync(self, name: str, value: float) -> None:
         self._metrics["train" if self.model.training else "eval"][name].append(value)

@@ -7,7 +7,9 @@ puts around it (`docs/overrides.md`, "The weight sync paths"):
 - `sync_weights_in_place`: on vLLM's CPU backend, whose prepacked layers TRL's per-parameter `load_weights` cannot
   load, vLLM's layerwise `reload_weights` fed by TRL's `_iter_named_params`;
 - `prepacking_cpu_experts_on_reload`: during that reload, the MoE experts' CPU prepacking vLLM's reload skips;
-- `resetting_encoder_cache`: after TRL's own colocated sync (GPU) for a multimodal model, the encoder cache TRL leaves.
+- `resetting_encoder_cache`: after TRL's own colocated sync (GPU) for a multimodal model, the encoder cache TRL leaves;
+- `checking_weight_sync`: after the in-place sync, the engine's weights compared with the trainer's (`WeightSyncCheck`);
+- `counting_unchecked_syncs`: on every other path, each sync logged as unchecked (`warn_unchecked_syncs` at start).
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ __all__ = [
     "WeightSyncCheck",
     "WeightSyncMismatchError",
     "checking_weight_sync",
+    "counting_unchecked_syncs",
     "prepacking_cpu_experts_on_reload",
     "resetting_encoder_cache",
     "sync_weights_in_place",
+    "warn_unchecked_syncs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -364,3 +368,26 @@ def checking_weight_sync(sync_weights: Callable, check: WeightSyncCheck) -> Call
 
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def counting_unchecked_syncs(sync_weights: Callable, log: Callable[[str, float], None]) -> Callable:
+    """`sync_weights` on a path no check follows: each sync logs `weight_sync/unchecked` 1.0, so that a run's logs say
+    which engine weights were taken on trust instead of leaving the gap silent."""
+
+    @functools.wraps(sync_weights)
+    def sync(*args, **kwargs):
+        result = sync_weights(*args, **kwargs)
+        log("weight_sync/unchecked", 1.0)
+        return result
+
+    return sync
+
+
+def warn_unchecked_syncs(path: str) -> None:
+    """Say at start that `path`'s syncs are not checked (the check asked for has no reader of that engine yet)."""
+    logger.warning(
+        "weight_sync_check does not run on %s: mu is sampled by engine weights taken on trust, each sync logged as "
+        "weight_sync/unchecked. Only the in-place sync into a colocated engine on vLLM's CPU backend is checked so far "
+        "(docs/vllm.md).",
+        path,
+    )
