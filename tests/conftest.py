@@ -25,7 +25,7 @@ from datasets import Dataset
 from peft import LoraConfig
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-import trl_dppo.vllm_server
+import trl_dppo.trainer
 from trl_dppo import DPPOConfig, DPPOTrainer
 from trl_dppo.jobs.default_model import smollm2_tokenizer
 
@@ -494,7 +494,7 @@ def no_nccl_weight_transfer(monkeypatch):
     from trl.generation.vllm_client import VLLMClient  # imports vLLM: only for the vLLM tests
 
     monkeypatch.setattr(VLLMClient, "init_communicator", lambda self, device=0: None)
-    monkeypatch.setattr(trl_dppo.vllm_server, "refuse_weight_transfer_without_cuda", lambda device: None)
+    monkeypatch.setattr(trl_dppo.trainer, "refuse_weight_transfer_without_cuda", lambda device: None)
 
     def drain(self, metadata, named_params):  # walk the weights as the broadcast would (PEFT merges and unmerges)
         for _ in named_params:

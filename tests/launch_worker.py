@@ -253,7 +253,7 @@ def skip_nccl_weight_transfer() -> None:
     DPPOTrainer's refusal of that transfer without CUDA."""
     from trl.generation.vllm_client import VLLMClient
 
-    import trl_dppo.vllm_server
+    import trl_dppo.trainer
 
     def drain(self, metadata, named_params):  # walk the weights as the broadcast would (PEFT merges and unmerges)
         for _ in named_params:
@@ -261,7 +261,7 @@ def skip_nccl_weight_transfer() -> None:
 
     VLLMClient.init_communicator = lambda self, device=0: None
     VLLMClient.update_named_params = drain
-    trl_dppo.vllm_server.refuse_weight_transfer_without_cuda = lambda device: None
+    trl_dppo.trainer.refuse_weight_transfer_without_cuda = lambda device: None
 
 
 def main(spec_file: str, out_file: str) -> None:

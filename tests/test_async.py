@@ -221,7 +221,7 @@ def test_full_weight_sync_over_nccl_is_refused_without_cuda(vllm_model_dir, toke
 
 
 # Two training processes over DDP, and under DeepSpeed ZeRO-2 and ZeRO-3 (where TRL's adapter sync saves the adapter
-# gathered: `async_trainer._adapter_gathered`)
+# gathered with TRL's `DistributedBackend.gather_params` in `AsyncDPPOTrainer._sync_weight`)
 ASYNC_LAUNCHES = {
     "ddp": {},
     "zero2": {"accelerate_config": "cpu_zero3.yaml", "launch_flags": ("--zero_stage", "2")},

@@ -27,17 +27,17 @@ small override (`docs/overrides.md`; `tests/test_upstream_contract.py` pins what
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate.utils import broadcast_object_list
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from trl.distributed import DistributedBackend
 from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
 from trl.experimental.async_grpo.packing import TREE_ATTENTION
 from trl.trainer.utils import disable_dropout_in_model
@@ -158,19 +158,6 @@ def _check_worker_and_server(check_health: Callable[[float], None], watch: Serve
     """TRL's health check of its rollout worker (`check_health`), then whether the vLLM server still answers."""
     check_health(stale_after_s)
     watch.check()
-
-
-def _adapter_gathered(model: torch.nn.Module) -> contextlib.AbstractContextManager:
-    """Under DeepSpeed ZeRO-3 each process holds a shard of every parameter, the adapter's included, and TRL's adapter
-    sync saves `model.state_dict()`'s LoRA tensors as it finds them (it gathers FSDP2's, not ZeRO-3's, whose local
-    tensors are empty): the adapter gathered whole on every process (a collective) while TRL saves it. A no-op
-    without ZeRO-3."""
-    partitioned = [param for name, param in model.named_parameters() if "lora_" in name and hasattr(param, "ds_id")]
-    if not partitioned:
-        return contextlib.nullcontext()
-    import deepspeed  # only under a ZeRO-3 launch, which imports it
-
-    return deepspeed.zero.GatheredParameters(partitioned)
 
 
 @contextmanager
@@ -294,8 +281,11 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
         return loader
 
     def _sync_weight(self):
+        # TRL's adapter sync saves `model.state_dict()`'s LoRA tensors as it finds them, which under ZeRO-3 are each
+        # process's empty shards: the adapter gathered whole on every process (a collective; a no-op without ZeRO-3)
+        adapter = [param for name, param in self.model.named_parameters() if "lora_" in name]
         try:
-            with _adapter_gathered(self.model) if self._lora_sync else contextlib.nullcontext():
+            with DistributedBackend(self.accelerator).gather_params(adapter) if self._lora_sync else nullcontext():
                 super()._sync_weight()
         except (
             OSError

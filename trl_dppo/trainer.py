@@ -55,7 +55,6 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 
-from . import vllm_server
 from .checkpoints import accept_indexed_cpu_device, complete_deepspeed_checkpoint_on_this_machine
 from .config import DPPOConfig
 from .corrections import apply_corrections
@@ -84,7 +83,7 @@ from .rollout import (
 from .server_watch import ServerWatch
 from .topk import check_topk_sharding, check_topk_support, lm_head_kept_logps
 from .trust_regions import TrustRegionInput, get_trust_region
-from .vllm_server import refuse_unprocessed_logprobs
+from .vllm_server import refuse_unprocessed_logprobs, refuse_weight_transfer_without_cuda
 from .weight_sync import (
     WeightSyncCheck,
     checking_weight_sync,
@@ -213,7 +212,7 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
         if args.use_vllm:  # after the refusals that do not depend on it, before TRL's, which names TRL's extra
             require_extra("vllm", f"use_vllm=True (vllm_mode={args.vllm_mode!r})", INSTALL_VLLM)
         if args.use_vllm and args.vllm_mode == "server":
-            vllm_server.refuse_weight_transfer_without_cuda(args.device)
+            refuse_weight_transfer_without_cuda(args.device)
         super().__init__(
             model,
             reward_funcs,
