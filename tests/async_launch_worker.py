@@ -1,5 +1,5 @@
 """Trains AsyncDPPOTrainer (SmolLM2 + LoRA, learning rate 0) against a vLLM server under whatever launched it and
-saves, per process, each loss computation's (pi, mu) of its loss terms and the policy versions that sampled them:
+saves, per process, each loss computation's (pi, mu) of its loss terms and the versions the trainer published:
 tests/test_async.py checks that with two training processes, under DDP or DeepSpeed ZeRO, both train on the server's
 records under the adapter the trainer publishes. The adapter changes the model (PEFT starts B at 0, a no-op): a server
 serving another adapter, or none, gives mu far from pi.
@@ -18,7 +18,6 @@ from datasets import Dataset
 from peft import LoraConfig
 
 from trl_dppo import AsyncDPPOConfig, AsyncDPPOTrainer
-from trl_dppo.async_trainer import POLICY_VERSION
 from trl_dppo.jobs.default_model import default_model_path, smollm2_tokenizer
 
 
@@ -65,18 +64,13 @@ def main(url: str, out_file: str) -> None:
         if "lora_B" in name:
             param.data.normal_(std=0.15)  # as tests/test_async.py's first test: the base model is far
     seen = []
-    compute_loss, trust_region_loss = trainer.compute_loss, trainer._trust_region_loss
-
-    def loss(model, inputs, *args, **kwargs):
-        terms = inputs["token_index"] >= 0
-        seen.append({"versions": inputs[POLICY_VERSION][terms].clone()})
-        return compute_loss(model, inputs, *args, **kwargs)
+    trust_region_loss = trainer._trust_region_loss
 
     def spy(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens, completions):
-        seen[-1].update(pi=trainer_logps.detach().clone(), mu=sampler_logps.clone(), missing=missing.clone())
+        seen.append({"pi": trainer_logps.detach().clone(), "mu": sampler_logps.clone(), "missing": missing.clone()})
         return trust_region_loss(trainer_logps, sampler_logps, advantages, lag, missing, global_n_tokens, completions)
 
-    trainer.compute_loss, trainer._trust_region_loss = loss, spy
+    trainer._trust_region_loss = spy
     trainer.train()
     result = {
         "num_processes": trainer.accelerator.num_processes,
