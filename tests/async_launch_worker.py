@@ -1,10 +1,9 @@
-"""Trains AsyncDPPOTrainer (SmolLM2 + LoRA, learning rate 0) against a vLLM server under whatever launched it and
+"""Trains AsyncDPPOTrainer (MODEL_DIR + LoRA, learning rate 0) against a vLLM server under whatever launched it and
 saves, per process, each loss computation's (pi, mu) of its loss terms and the versions the trainer published:
 tests/test_async.py checks that with two training processes, under DDP or DeepSpeed ZeRO, both train on the server's
-records under the adapter the trainer publishes. The adapter changes the model (PEFT starts B at 0, a no-op): a server
-serving another adapter, or none, gives mu far from pi.
+records under the adapter the trainer publishes. The adapter changes the model (PEFT starts B at 0, a no-op).
 
-    python tests/async_launch_worker.py SERVER_URL OUT_FILE
+    python tests/async_launch_worker.py SERVER_URL OUT_FILE MODEL_DIR
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from datasets import Dataset
 from peft import LoraConfig
 
 from trl_dppo import AsyncDPPOConfig, AsyncDPPOTrainer
-from trl_dppo.jobs.default_model import default_model_path, smollm2_tokenizer
+from trl_dppo.jobs.default_model import smollm2_tokenizer
 
 
 SAMPLES_PER_STEP = 4  # per process
@@ -28,7 +27,7 @@ def length_reward(completions, **kwargs):
     return [float(len(c[0]["content"]) % 5) for c in completions]
 
 
-def main(url: str, out_file: str) -> None:
+def main(url: str, out_file: str, model: str) -> None:
     torch.set_num_threads(1)
     args = AsyncDPPOConfig(
         output_dir=f"{out_file}.run",
@@ -50,7 +49,7 @@ def main(url: str, out_file: str) -> None:
         seed=0,
     )
     trainer = AsyncDPPOTrainer(
-        model=default_model_path(),
+        model=model,
         reward_funcs=length_reward,
         args=args,
         train_dataset=Dataset.from_dict(
@@ -62,7 +61,7 @@ def main(url: str, out_file: str) -> None:
     torch.manual_seed(0)  # the same adapter on every process, set before DeepSpeed partitions it
     for name, param in trainer.model.named_parameters():
         if "lora_B" in name:
-            param.data.normal_(std=0.15)  # as tests/test_async.py's first test: the base model is far
+            param.data.normal_(std=0.15)  # as tests/test_async.py's first test
     seen = []
     trust_region_loss = trainer._trust_region_loss
 

@@ -118,10 +118,10 @@ def gathered(parameters: dict) -> contextlib.AbstractContextManager:
 
 class GatherCount:
     """Under ZeRO-3: the most parameter elements held gathered at once by `deepspeed.zero.GatheredParameters`, which
-    TRL's weight sync gathers through (`trl.distributed` looks it up at each call), over one run."""
+    TRL's weight sync gathers through (`trl.distributed` looks it up at each call), and all it gathered, over one run."""
 
     def __init__(self):
-        self.now = self.peak = 0
+        self.now = self.peak = self.total = 0
 
     def install(self) -> None:
         import deepspeed
@@ -136,6 +136,7 @@ class GatherCount:
 
             def __enter__(self):
                 count.now += self.numel
+                count.total += self.numel
                 count.peak = max(count.peak, count.now)
                 return super().__enter__()
 
@@ -147,6 +148,17 @@ class GatherCount:
 
 
 GATHERS = GatherCount()
+
+
+def largest_module(model: torch.nn.Module) -> int:
+    """The most elements of one module's own parameters, a LoRA layer's counted with its base layer and adapters."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    def size(module):
+        own = module.parameters(recurse=isinstance(module, BaseTunerLayer))
+        return sum(getattr(p, "ds_numel", p.numel()) for p in own)
+
+    return max(size(module) for module in model.modules())
 
 
 def peft_config(lora: bool | dict) -> LoraConfig | None:
@@ -197,9 +209,9 @@ def train(name: str, settings: dict, spec: dict, out_file: str) -> dict:
     trainable = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
     with gathered(trainable):
         before = {n: p.detach().clone() for n, p in trainable.items()}
-    GATHERS.peak = 0
+    GATHERS.peak = GATHERS.total = 0
     trainer.train()
-    gathered_at_once = GATHERS.peak
+    gathered_at_once, gathered_in_all = GATHERS.peak, GATHERS.total
     with gathered(trainable):
         update = {n: p.detach() - before[n] for n, p in trainable.items()}
     by_process = gather_object([{"seen": seen, "generated": generated}])
@@ -213,10 +225,11 @@ def train(name: str, settings: dict, spec: dict, out_file: str) -> dict:
         # the optimizer that stepped: under DeepSpeed, the one its engine wraps (with optimizer offload accelerate
         # hands it DeepSpeed's CPU Adam in place of the trainer's torch optimizer)
         "optimizer": type(getattr(trainer.model_wrapped, "basic_optimizer", trainer.optimizer)).__name__,
-        # with `count_gathers`, under ZeRO-3: the peak elements gathered at once in training, the largest parameter's
-        # and all parameters' (whole, not this process's partition)
+        # with `count_gathers`, under ZeRO-3: the peak elements gathered at once in training and all it gathered, the
+        # largest module's (a LoRA layer's with its adapters) and all parameters' (whole, not this process's partition)
         "gathered_at_once": gathered_at_once,
-        "largest_parameter": max(getattr(p, "ds_numel", p.numel()) for p in trainer.model.parameters()),
+        "gathered_in_all": gathered_in_all,
+        "largest_module": largest_module(trainer.model),
         "all_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in trainer.model.parameters()),
         "seen": [process["seen"] for process in by_process],
         "batches": None

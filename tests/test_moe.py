@@ -4,6 +4,8 @@ through the experts the sampler recorded. The vLLM paths are in tests/test_moe_v
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
@@ -16,8 +18,8 @@ from .conftest import (
     forward_logprob_atol,
     make_trainer,
     require_deepspeed,
+    run_launch_worker,
     spy_on_trust_region,
-    two_processes_then_one,
 )
 
 
@@ -320,21 +322,35 @@ MOE_LAUNCHES = {
 }
 
 
+@pytest.fixture(scope="module")
+def two_process_runs(moe_model_dir, tmp_path_factory):
+    """Each launch's runs by two processes, then all their global batches replayed by one process (one replay for the
+    module: each costs a process's start)."""
+    tmp_path = tmp_path_factory.mktemp("moe-launches")
+    two, runs = {}, {}
+    for launch, (options, launch_runs, refused) in MOE_LAUNCHES.items():
+        if launch == "zero3" and importlib.util.find_spec("deepspeed") is None:
+            continue  # its test skips (or fails in CI) by `require_deepspeed`
+        spec = {"model_dir": moe_model_dir, "runs": launch_runs, "refused": refused}
+        two.update(run_launch_worker(tmp_path / launch, spec, 2, **options))
+        runs.update(launch_runs)
+    torch.save(two, tmp_path / "2proc.pt")
+    replay = {"model_dir": moe_model_dir, "runs": runs, "replay": str(tmp_path / "2proc.pt")}
+    return two, run_launch_worker(tmp_path / "1proc", replay, 1)
+
+
 @pytest.mark.launch
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # a launch and a replay: 32-75 s measured beside another launching test
+@pytest.mark.timeout(600)  # two launches and a replay: 52 s measured alone
 @pytest.mark.parametrize("launch", list(MOE_LAUNCHES))
-def test_two_processes_replay_their_own_routes_and_make_one_processs_update(
-    moe_model_dir, tokenizer, tmp_path, launch
-):
+def test_two_processes_replay_their_own_routes_and_make_one_processs_update(two_process_runs, tokenizer, launch):
     """Router replay under `accelerate launch` with two processes: each records and replays the routes of the rows it
     generated (mu = pi on each, at each step), and the update equals one process's on the same global batches, routes
     included."""
     if launch == "zero3":
         require_deepspeed()
-    options, runs, refused = MOE_LAUNCHES[launch]
-    spec = {"model_dir": moe_model_dir, "runs": runs, "refused": refused}
-    two, one = two_processes_then_one(tmp_path, spec, **options)
+    _, runs, refused = MOE_LAUNCHES[launch]
+    two, one = two_process_runs
     for name in refused:
         errors = two[name]["errors"]
         assert errors[0] == errors[1] and "load-balancing loss would train nothing" in errors[0], errors

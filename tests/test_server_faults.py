@@ -27,21 +27,30 @@ from .conftest import length_reward, make_trainer, require_vllm
 require_vllm()
 
 
-# Each test starts a server (about a minute on 2 cores; one more for the synchronous runs' resume) and trains 4 steps:
-# 80-120 s measured alone, up to twice that beside CI's other stream; a fault the watch missed would hang the run until this bound
+# Three servers start (about a minute each on 2 cores) and each test trains 6 or 4 steps: 80-120 s measured alone, up
+# to twice that beside CI's other stream; a fault the watch missed would hang the run until this bound
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 STALL_TIMEOUT_S = 20
 # The run ends at most one poll and one probe after the bound: the watch asks every POLL_INTERVAL_S, each probe
 # waiting up to PROBE_TIMEOUT_S; 10 s more for the step in progress and the exception reaching the test
 ENDS_WITHIN_S = STALL_TIMEOUT_S + POLL_INTERVAL_S + PROBE_TIMEOUT_S + 10
+MAX_STALENESS, SAMPLES_PER_STEP, LORA_RANK = 2, 4, 8
 
 
-def start_server(model_dir: str, log_path, *options: str) -> LocalServer:
+def start_server(model_dir: str, log_path, lora: bool = False) -> LocalServer:
+    """A server for synchronous server mode; with `lora`, also served with runtime LoRA adapters for the asynchronous
+    trainer, as docs/async.md says (every request in flight prefilled in one step)."""
     port = free_loopback_port()
     flags = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", "--enforce-eager"]
-    flags += ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", *options]
-    return LocalServer(api_server_command(model_dir, flags), port, log_path, lifetime_s=900)
+    flags += ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
+    env = None
+    if lora:
+        in_flight = MAX_STALENESS * SAMPLES_PER_STEP
+        flags += ["--enable-lora", "--max-lora-rank", str(LORA_RANK), "--max-loras", str(in_flight)]
+        flags += ["--max-num-seqs", str(in_flight), "--max-num-batched-tokens", str(in_flight * 256)]
+        env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    return LocalServer(api_server_command(model_dir, flags), port, log_path, env=env, lifetime_s=900)
 
 
 class FaultAfterSave(TrainerCallback):
@@ -59,41 +68,48 @@ class FaultAfterSave(TrainerCallback):
 
 @pytest.fixture(scope="module")
 def answering_server(vllm_model_dir, tmp_path_factory):
-    """The server that answers again, which both synchronous runs resume against: one start saved. Started before
-    the first of them (a process of the run's, not of a test's: `tests/process_bounds.py`), stopped after the module."""
-    server = start_server(vllm_model_dir, tmp_path_factory.mktemp("answering") / "server.log")
+    """A server that answers, which the runs of both tests resume against after their server was killed: one start
+    saved. Started before the first test (a process of the run's, not of a test's: `tests/process_bounds.py`),
+    stopped after the module."""
+    server = start_server(vllm_model_dir, tmp_path_factory.mktemp("answering") / "server.log", lora=True)
     yield server.url
     server.stop()
 
 
-@pytest.mark.parametrize("signum", [signal.SIGSTOP, signal.SIGKILL], ids=["hung", "killed"])
-def test_a_hung_or_killed_server_ends_sync_server_mode_within_the_bound_and_the_run_resumes(
-    signum, vllm_model_dir, prompts, tokenizer, tmp_path, no_nccl_weight_transfer, answering_server
+def test_a_hung_then_a_killed_server_each_end_sync_server_mode_within_the_bound_and_the_run_resumes_after_each(
+    vllm_model_dir, prompts, tokenizer, tmp_path, no_nccl_weight_transfer, answering_server
 ):
-    """Hung: TRL's request would wait for ever. Killed: TRL's client retries a refused connection (urllib3's backoff,
-    about a minute) and raises a bare ConnectionError; the watch ends it sooner, with the server named."""
+    """Hung (SIGSTOP): TRL's request would wait for ever. Killed: TRL's client retries a refused connection (urllib3's
+    backoff, about a minute) and raises a bare ConnectionError. The watch ends each sooner, with the server named; the
+    run resumes from its checkpoint once the hung server runs again (SIGCONT), and after the kill on another server."""
     settings = dict(
         use_vllm=True,
         vllm_mode="server",
         max_completion_length=8,
-        max_steps=4,
+        max_steps=6,
         save_strategy="steps",
         save_steps=2,
         temperature=0.7,
         vllm_server_stall_timeout=STALL_TIMEOUT_S,
     )
     server = start_server(vllm_model_dir, tmp_path / "server.log")
-    try:
+
+    def train_until(signum: int, step: int, resume: bool) -> None:
         trainer = make_trainer(
             tmp_path, vllm_model_dir, prompts, tokenizer, vllm_server_base_url=server.url, **settings
         )
-        fault = FaultAfterSave(server, signum, step=2)
+        fault = FaultAfterSave(server, signum, step)
         trainer.add_callback(fault)
         # without the watch TRL would wait here for ever: the test's own bound (pytest-timeout) ends that
         with pytest.raises(VLLMServerUnreachableError, match=rf"{server.url} has not"):
-            trainer.train()
+            trainer.train(resume_from_checkpoint=resume)
         assert fault.at is not None and time.monotonic() - fault.at < ENDS_WITHIN_S
-        assert trainer.state.global_step == 2
+        assert trainer.state.global_step == step
+
+    try:
+        train_until(signal.SIGSTOP, step=2, resume=False)
+        server.send_signal(signal.SIGCONT)  # the hung server runs again: the run resumes against it
+        train_until(signal.SIGKILL, step=4, resume=True)
     finally:
         server.stop()
     with pytest.raises(requests.ConnectionError):
@@ -104,22 +120,8 @@ def test_a_hung_or_killed_server_ends_sync_server_mode_within_the_bound_and_the_
     )
     trainer.train(resume_from_checkpoint=True)
     steps = [entry["step"] for entry in trainer.state.log_history if "loss" in entry]
-    assert steps == [1, 2, 3, 4]  # steps 1-2 from the checkpoint's history, 3-4 trained after the restart
-
-
-MAX_STALENESS, SAMPLES_PER_STEP, LORA_RANK = 2, 4, 8
-
-
-def lora_server(model_dir: str, log_path) -> LocalServer:
-    """Served with runtime LoRA adapters, as docs/async.md says (every request in flight prefilled in one step)."""
-    in_flight = MAX_STALENESS * SAMPLES_PER_STEP
-    options = ["--enable-lora", "--max-lora-rank", str(LORA_RANK), "--max-loras", str(in_flight)]
-    options += ["--max-num-seqs", str(in_flight), "--max-num-batched-tokens", str(in_flight * 256)]
-    port = free_loopback_port()
-    flags = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", "--enforce-eager"]
-    flags += ["--logprobs-mode", "processed_logprobs", *options]
-    command = api_server_command(model_dir, flags)
-    return LocalServer(command, port, log_path, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}, lifetime_s=900)
+    # steps 1-2 before the hang, 3-4 trained against the same server once it ran again, 5-6 after the kill
+    assert steps == [1, 2, 3, 4, 5, 6]
 
 
 def async_trainer(tmp_path, url, model_dir, tokenizer, prompts) -> AsyncDPPOTrainer:
@@ -156,9 +158,9 @@ def async_trainer(tmp_path, url, model_dir, tokenizer, prompts) -> AsyncDPPOTrai
 
 
 def test_a_killed_server_ends_the_async_trainer_within_the_bound_and_the_run_resumes(
-    vllm_model_dir, prompts, tokenizer, tmp_path
+    vllm_model_dir, prompts, tokenizer, tmp_path, answering_server
 ):
-    server = lora_server(vllm_model_dir, tmp_path / "server.log")
+    server = start_server(vllm_model_dir, tmp_path / "server.log", lora=True)
     try:
         trainer = async_trainer(tmp_path, server.url, vllm_model_dir, tokenizer, prompts)
         fault = FaultAfterSave(server, signal.SIGKILL, step=2)
@@ -170,11 +172,7 @@ def test_a_killed_server_ends_the_async_trainer_within_the_bound_and_the_run_res
     finally:
         server.stop()
 
-    server = lora_server(vllm_model_dir, tmp_path / "server-restarted.log")
-    try:
-        trainer = async_trainer(tmp_path, server.url, vllm_model_dir, tokenizer, prompts)
-        trainer.train(resume_from_checkpoint=True)
-    finally:
-        server.stop()
+    trainer = async_trainer(tmp_path, answering_server, vllm_model_dir, tokenizer, prompts)
+    trainer.train(resume_from_checkpoint=True)
     assert trainer.state.global_step == 4
     assert [entry["step"] for entry in trainer.state.log_history if "loss" in entry][-2:] == [3, 4]

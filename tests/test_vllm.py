@@ -6,6 +6,7 @@ environment built without vLLM on purpose, which says so with TRL_DPPO_WITHOUT_V
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 
@@ -22,8 +23,8 @@ from .conftest import (
     make_trainer,
     require_deepspeed,
     require_vllm,
+    run_launch_worker,
     spy_on_trust_region,
-    two_processes_then_one,
 )
 
 
@@ -237,29 +238,52 @@ TWO_PROCESS_LAUNCHES = {
     "zero2": {"accelerate_config": "cpu_zero3.yaml", "launch_flags": ("--zero_stage", "2")},
     "zero3": {"accelerate_config": "cpu_zero3.yaml", "launch_flags": ("--zero_stage", "3")},
 }
-# The divergences trained, with LoRA and with full fine-tuning (no PEFT), by launch: each divergence once under DDP
-# (two machines differ from one in where the engines start, not in the sync), full fine-tuning beside LoRA under ZeRO
-LORA_DIVERGENCES = {
-    "ddp": ("binary_tv",),
-    "ddp-two_machines": ("topk_tv",),
-    "zero2": ("binary_tv", "topk_tv"),
-    "zero3": ("binary_tv", "topk_tv"),
-}
-FULL_FINE_TUNING = {"zero2": ("binary_tv",), "zero3": ("topk_tv",)}
+# The divergence trained by launch, with LoRA and with full fine-tuning (no PEFT): each divergence and each way of
+# syncing (LoRA merged, full weights) once per engine; the divergence changes the loss, not the sync or the records
+LORA_DIVERGENCES = {"ddp": "binary_tv", "ddp-two_machines": "topk_tv", "zero2": "topk_tv", "zero3": "binary_tv"}
+FULL_FINE_TUNING = {"zero2": "binary_tv", "zero3": "topk_tv"}
+
+
+def colocate_runs(launch: str) -> dict[str, dict]:
+    colocate = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 256}
+    colocate |= {"vllm_gpu_memory_utilization": 0.3, "max_steps": 2}
+    runs = {f"{launch}-colocate-{LORA_DIVERGENCES[launch]}": {**colocate, "divergence": LORA_DIVERGENCES[launch]}}
+    # Full fine-tuning beside the engines (under ZeRO-3 without PEFT, TRL gathers the partitioned weights for the sync
+    # one parameter at a time)
+    if launch in FULL_FINE_TUNING:
+        divergence = FULL_FINE_TUNING[launch]
+        runs[f"{launch}-colocate-{divergence}-full"] = {**colocate, "divergence": divergence, "lora": False}
+    return runs
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(vllm_model_dir, tmp_path_factory):
+    """Every launch's runs by two processes, then all their global batches replayed by one process (one replay for
+    the module: each costs a process's start)."""
+    tmp_path = tmp_path_factory.mktemp("colocate")
+    two, runs = {}, {}
+    for launch, options in TWO_PROCESS_LAUNCHES.items():
+        if launch.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
+            continue  # its tests skip (or fail in CI) by `require_deepspeed`
+        spec = {"model_dir": vllm_model_dir, "runs": colocate_runs(launch), "count_gathers": launch == "zero3"}
+        two.update(run_launch_worker(tmp_path / launch, spec, 2, **options))
+        runs.update(spec["runs"])
+    torch.save(two, tmp_path / "2proc.pt")
+    replay = {"model_dir": vllm_model_dir, "runs": runs, "replay": str(tmp_path / "2proc.pt")}
+    return two, run_launch_worker(tmp_path / "1proc", replay, 1)
 
 
 @pytest.mark.launch
-@pytest.mark.timeout(
-    600
-)  # two launches, engines included: 58-84 s measured alone, up to 107 s beside the other stream
+# four launches (engines included) and a replay: 203 s measured alone
+@pytest.mark.timeout(900)
 @pytest.mark.slow
 @pytest.mark.parametrize("launch", list(TWO_PROCESS_LAUNCHES))
 def test_two_processes_each_with_a_colocated_engine_record_mu_after_each_checked_sync_and_make_one_processs_update(
-    vllm_model_dir, tmp_path, launch
+    two_process_runs, launch
 ):
     """Each process runs its own vLLM engine on its own rows (TRL's colocate mode, tensor parallel 1), two steps, each
-    generating after a sync (under ZeRO-3 TRL gathers the partitioned weights for it: with LoRA, as here, the whole
-    model at once to merge the adapters; without, one parameter at a time): the sync check finds each engine holding the
+    generating after a sync (under ZeRO-3 the partitioned weights are gathered for it one module at a time, a LoRA
+    layer merged with its adapters alone, and read once for the sync and its check): the sync check finds each engine holding the
     trainer's weights exactly after every sync; mu at both steps, the second sampled after the first update (SGD at lr
     0.2, far from the first step's weights), is the bf16 sampler's under the updated weights; and the two steps' update
     is one process's on the same batches (ZeRO's reductions are DDP's bit for bit: tests/test_zero.py). Two steps, as
@@ -267,30 +291,17 @@ def test_two_processes_each_with_a_colocated_engine_record_mu_after_each_checked
     weights moves the next gradients by more than rounding (measured)."""
     if launch.startswith("zero"):
         require_deepspeed()
-    colocate = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 256}
-    colocate["vllm_gpu_memory_utilization"] = 0.3
-    runs = {
-        f"{launch}-colocate-{divergence}": {**colocate, "divergence": divergence, "max_steps": 2}
-        for divergence in LORA_DIVERGENCES[launch]
-    }
-    # Full fine-tuning beside the engines (under ZeRO-3 without PEFT, TRL gathers the partitioned weights for the sync
-    # one parameter at a time)
-    for divergence in FULL_FINE_TUNING.get(launch, ()):
-        runs[f"{launch}-colocate-{divergence}-full"] = {
-            **colocate, "divergence": divergence, "max_steps": 2, "lora": False
-        }  # fmt: skip
-    spec = {"model_dir": vllm_model_dir, "runs": runs, "count_gathers": launch == "zero3"}
-    two, one = two_processes_then_one(tmp_path, spec, **TWO_PROCESS_LAUNCHES[launch])
-    for name in runs:
+    two, one = two_process_runs
+    for name in colocate_runs(launch):
         run = two[name]
         assert run["num_processes"] == 2
         assert run["partitioned"] == (launch == "zero3")
         if launch == "zero3":
-            # Full fine-tuning: never more than the largest parameter whole at once. With LoRA, TRL's
-            # `_iter_named_params` gathers the whole model to merge the adapters (docs/distributed.md): on a model that
-            # fits one device only partitioned, that sync cannot run
-            whole = run["largest_parameter"] if name.endswith("-full") else run["all_parameters"]
-            assert run["gathered_at_once"] == whole, (run["gathered_at_once"], whole)
+            # Never more than one module whole at once: a parameter (full fine-tuning: TRL's gathers), or a LoRA layer
+            # with its adapters, merged alone (`weight_sync.gathering_module_by_module`; TRL gathers the whole model)
+            assert run["gathered_at_once"] == run["largest_module"] < run["all_parameters"], run
+            if not name.endswith("-full"):  # and each sync gathers the model once, the check reading the same pass
+                assert run["gathered_in_all"] == 2 * run["all_parameters"], run  # (top-K reads the LM head too)
         for seen in run["seen"]:
             assert len(seen) == 2  # a loss per step
             for mu, pi, mask in seen:

@@ -86,8 +86,8 @@ from .trust_regions import TrustRegionInput, get_trust_region
 from .vllm_server import refuse_unprocessed_logprobs, refuse_weight_transfer_without_cuda
 from .weight_sync import (
     WeightSyncCheck,
-    checking_weight_sync,
     counting_unchecked_syncs,
+    gathering_module_by_module,
     resetting_encoder_cache,
     sync_weights_in_place,
     warn_unchecked_syncs,
@@ -298,6 +298,7 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
         """Record mu (and the top-K) from vLLM's output, and sync weights in place on vLLM's CPU backend, checked; any
         other sync is said unchecked at start and logged as `weight_sync/unchecked`."""
         backend = self.vllm_generation
+        gathering_module_by_module(backend)  # under ZeRO-3 with PEFT, one module gathered at a time, not the model
         if backend.mode == "server":  # TRL checks the mode only with `vllm_importance_sampling_correction`
             # TRL creates the server's client on the main process only
             client = backend.vllm_client if self.accelerator.is_main_process else None
@@ -323,7 +324,7 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
             if multimodal:
                 backend.llm.generate = feeding_vllm_unexpanded_images(backend.llm.generate, self.processing_class)
             if current_platform.is_cpu():
-                backend.sync_weights = functools.partial(sync_weights_in_place, backend)
+                check = None
                 if self.args.weight_sync_check != "off":
                     check = WeightSyncCheck(
                         backend,
@@ -332,7 +333,9 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
                         self.args.seed,
                         self._log_weight_sync,
                     )
-                    backend.sync_weights = checking_weight_sync(backend.sync_weights, check)
+                # the check reads the trainer's weights as they stream to the engine: one gather per sync
+                backend.sync_weights = functools.partial(sync_weights_in_place, backend, check)
+                if check is not None:
                     return  # checked: the one path with a check so far
             elif multimodal:
                 backend.sync_weights = resetting_encoder_cache(backend.sync_weights, backend.llm)

@@ -8,7 +8,10 @@ puts around it (`docs/overrides.md`, "The weight sync paths"):
   load, vLLM's layerwise `reload_weights` fed by TRL's `_iter_named_params`;
 - `prepacking_cpu_experts_on_reload`: during that reload, the MoE experts' CPU prepacking vLLM's reload skips;
 - `resetting_encoder_cache`: after TRL's own colocated sync (GPU) for a multimodal model, the encoder cache TRL leaves;
-- `checking_weight_sync`: after the in-place sync, the engine's weights compared with the trainer's (`WeightSyncCheck`);
+- `WeightSyncCheck`: during the in-place sync, the trainer's weights read as they stream to the engine, and after it
+  compared with the engine's, exactly;
+- `gathering_module_by_module`: under DeepSpeed ZeRO-3 with a PEFT model, TRL's iterator run over one module gathered
+  and merged at a time instead of the whole model;
 - `counting_unchecked_syncs`: on every other path, each sync logged as unchecked (`warn_unchecked_syncs` at start).
 """
 
@@ -32,8 +35,8 @@ __all__ = [
     "WEIGHT_SYNC_CHECKS",
     "WeightSyncCheck",
     "WeightSyncMismatchError",
-    "checking_weight_sync",
     "counting_unchecked_syncs",
+    "gathering_module_by_module",
     "prepacking_cpu_experts_on_reload",
     "resetting_encoder_cache",
     "sync_weights_in_place",
@@ -46,25 +49,37 @@ logger = logging.getLogger(__name__)
 WEIGHT_SYNC_CHECKS = ("raise", "log", "off")
 
 
-def sync_weights_in_place(vllm_generation) -> None:
-    """Push the training weights into a colocated vLLM engine with the model runner's `reload_weights`.
+def sync_weights_in_place(vllm_generation, check: WeightSyncCheck | None = None) -> None:
+    """Push the training weights into a colocated vLLM engine with the model runner's `reload_weights`, and with
+    `check`, compare the engine's weights with them after, from the same pass (one gather per sync under ZeRO-3).
 
     TRL's colocate sync calls `load_weights` one parameter at a time, which fails on vLLM's CPU backend (it prepacks
     linear weights: "'Parameter' object has no attribute 'weight_loader'"). `reload_weights` runs vLLM's layerwise
     reload, which handles the prepacked layers. TRL's iterator yields PEFT weights while the adapters are merged and
-    unmerges them after its last item; each tensor is copied as it is yielded, because vLLM may hold a layer's tensors
-    until the layer is complete, by which time the live tensors would be unmerged again.
+    unmerges them after; each tensor is copied as it is yielded, because vLLM may hold a layer's tensors until the layer
+    is complete, by which time the live tensors would be unmerged (or, under ZeRO-3, released) again.
     """
     llm = vllm_generation.llm
     runner = llm.llm_engine.model_executor.driver_worker.model_runner
-    weights = ((name, tensor.detach().clone()) for name, tensor in vllm_generation._iter_named_params())
+    if check is not None:
+        check.start()
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in vllm_generation._iter_named_params():
+            copy = tensor.detach().clone()
+            if check is not None:
+                check.read(name, copy)
+            yield name, copy
+
     with prepacking_cpu_experts_on_reload(runner.get_model()):
-        runner.reload_weights(weights_iterator=weights)
+        runner.reload_weights(weights_iterator=weights())
     # `reload_weights` empties the runner's image caches but not the scheduler's and the front end's records of them,
     # so the next image prompt would find neither ("Encoder cache miss"): all are emptied together
     llm.reset_mm_cache()
     llm.llm_engine.reset_encoder_cache()
     llm.reset_prefix_cache()
+    if check is not None:
+        check.finish()
 
 
 @contextmanager
@@ -239,20 +254,34 @@ class WeightSyncCheck:
         self._warned = False
 
     def __call__(self) -> None:
-        mapper = _EngineNames(self.model)
-        targets = self._engine_tensors(random.Random(f"{self.seed}-{self.syncs}"))
-        self.syncs += 1
+        """Check the engine against the trainer's weights read in a pass of their own (after a sync that read none)."""
+        self.start()
         for trainer_name, tensor in self.vllm_generation._iter_named_params():
-            mapped = mapper.engine_name_and_shard(trainer_name)
-            target = mapped and targets.get(mapped[0])
-            if not target:  # dropped by vLLM's loader, in a layer not sampled this sync, or not read
-                continue
-            shard = mapped[1]
-            for one in shard if isinstance(shard, list) else [shard]:  # vLLM loads a list's shards with one tensor
-                target.fill(one, trainer_name, tensor.detach().to(self.dtype))
+            self.read(trainer_name, tensor)
+        self.finish()
+
+    def start(self) -> None:
+        """Choose this sync's engine tensors, before the trainer's weights stream (`read`)."""
+        self._names = _EngineNames(self.model)
+        self._targets = self._engine_tensors(random.Random(f"{self.seed}-{self.syncs}"))
+        self.syncs += 1
+
+    def read(self, trainer_name: str, tensor: torch.Tensor) -> None:
+        """Keep what the chosen engine tensors need of one of the trainer's weights (as TRL's iterator yields it)."""
+        mapped = self._names.engine_name_and_shard(trainer_name)
+        target = mapped and self._targets.get(mapped[0])
+        if not target:  # dropped by vLLM's loader, in a layer not sampled this sync, or not read
+            return
+        shard = mapped[1]
+        for one in shard if isinstance(shard, list) else [shard]:  # vLLM loads a list's shards with one tensor
+            target.fill(one, trainer_name, tensor.detach().to(self.dtype))
+
+    def finish(self) -> None:
+        """Compare the engine's tensors, once loaded, with what `read` kept; log, and raise on a mismatch."""
         mismatched = {}
-        for name, target in targets.items():
-            mismatched.update(target.differences(functools.partial(mapper.trainer_name, name)))
+        for name, target in self._targets.items():
+            mismatched.update(target.differences(functools.partial(self._names.trainer_name, name)))
+        targets, self._targets = self._targets, {}
         self.log("weight_sync/checked_parameters", float(sum(len(t.rows) for t in targets.values())))
         self.log("weight_sync/mismatched_parameters", float(len(mismatched)))
         self.log("weight_sync/max_abs_diff", max(mismatched.values(), default=0.0))
@@ -356,15 +385,59 @@ class _EngineNames:
         return engine_name
 
 
-def checking_weight_sync(sync_weights: Callable, check: WeightSyncCheck) -> Callable:
-    """Wrap a colocated engine's weight sync so that `check` runs after each."""
+def gathering_module_by_module(vllm_generation) -> None:
+    """Make `vllm_generation._iter_named_params` gather one module at a time under DeepSpeed ZeRO-3 with a PEFT model.
 
-    @functools.wraps(sync_weights)
-    def wrapped(*args, **kwargs):
-        sync_weights(*args, **kwargs)
-        check()
+    TRL gathers the whole model to merge the adapters ("merging adapters in a sharded manner is not supported"), so
+    at every sync the model must fit one device whole: the out-of-memory users of ZeRO-3 beside a colocated engine
+    meet. A LoRA layer merges from its own base weight and adapters alone, so TRL's iterator runs here unchanged (its
+    names, its skips) over a model whose `named_parameters` gathers one module (a LoRA layer with its adapters), merges
+    it, yields its parameters while TRL reads them, and unmerges and releases it before the next; TRL's own
+    whole-model gather, merge and unmerge find nothing left to do. A no-op anywhere else.
+    """
+    from accelerate.utils import is_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
-    return wrapped
+    dist, model = vllm_generation._dist, vllm_generation.model
+    if not (dist.is_zero3 and is_peft_model(model)):
+        return
+    iterate, gather = vllm_generation._iter_named_params, dist.gather_params
+
+    def one_module_at_a_time(*args, **kwargs) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        seen, merged = set(), []
+        for module_name, module in model.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            if any(prefix.startswith(outer) for outer in merged):
+                continue  # inside a LoRA layer, yielded with it
+            recurse = isinstance(module, BaseTunerLayer)
+            own = torch.nn.Module.named_parameters(module, recurse=recurse)  # the class's: `model`'s own is replaced
+            params = [(prefix + n, p) for n, p in own if id(p) not in seen]  # a tied weight once
+            seen.update(id(p) for _, p in params)
+            if recurse:
+                merged.append(prefix)
+            if not params:
+                continue
+            # a LoRA layer and any tuner layer nested in it (PEFT nests one per `target_parameters` entry), merged and
+            # unmerged in PEFT's own order (`merge_adapter`: every tuner layer, outer first)
+            tuners = [m for m in module.modules() if isinstance(m, BaseTunerLayer)] if recurse else []
+            with gather([p for _, p in params]):
+                for tuner in tuners:
+                    tuner.merge()
+                try:
+                    yield from params
+                finally:
+                    for tuner in tuners:
+                        tuner.unmerge()
+
+    def iterate_module_by_module():
+        with ExitStack() as patches:
+            patches.enter_context(replaced_attribute(model, "named_parameters", one_module_at_a_time))
+            patches.enter_context(replaced_attribute(model, "parameters", lambda *args, **kwargs: iter(())))
+            patches.enter_context(replaced_attribute(model, "merge_adapter", lambda *args, **kwargs: None))
+            patches.enter_context(replaced_attribute(model, "unmerge_adapter", lambda *args, **kwargs: None))
+            yield from iterate()
+
+    vllm_generation._iter_named_params = iterate_module_by_module
 
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
