@@ -18,7 +18,7 @@ from .conftest import assert_updates_agree, require_deepspeed, run_launch_worker
 
 
 require_deepspeed()
-# The module's fixture makes six launches and a replay: 113 s in .ci/run beside its other stream (2 cores)
+# The module's fixture makes five launches and a replay: 112 s in .ci/run beside its other stream (2 cores)
 pytestmark = [pytest.mark.slow, pytest.mark.launch, pytest.mark.timeout(900)]
 
 SGD_CELLS = {
