@@ -89,20 +89,25 @@ def tiny_model(path: Path) -> str:
     return str(path)
 
 
+def benchmark_models(tmp: Path) -> dict[str, str]:
+    """The tests' tiny Llama (written into `tmp`), and SmolLM2-135M-Instruct when its offline folder exists."""
+    from trl_dppo.jobs.default_model import DEFAULT_MODEL, resolve_model
+
+    models = {"tiny Llama (tests)": tiny_model(tmp / "tiny")}
+    try:
+        models[DEFAULT_MODEL] = resolve_model(DEFAULT_MODEL)
+    except Exception as error:  # no offline copy: the tiny model alone
+        print(f"{DEFAULT_MODEL} skipped: {error}")
+    return models
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--measure":
         print(json.dumps(measure(sys.argv[2])))
         return
-    from trl_dppo.jobs.default_model import DEFAULT_MODEL, resolve_model
-
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        models = {"tiny Llama (tests)": tiny_model(Path(tmp) / "tiny")}
-        try:
-            models[DEFAULT_MODEL] = resolve_model(DEFAULT_MODEL)
-        except Exception as error:  # no offline copy: the tiny model alone
-            print(f"{DEFAULT_MODEL} skipped: {error}")
-        for name, path in models.items():
+        for name, path in benchmark_models(Path(tmp)).items():
             run = subprocess.run(
                 [sys.executable, __file__, "--measure", path], capture_output=True, text=True, timeout=1200
             )

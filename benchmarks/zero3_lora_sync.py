@@ -137,18 +137,11 @@ def main() -> None:
         measure(*sys.argv[2:])
         return
     sys.path.insert(0, str(REPO))
-    from benchmarks.weight_sync_check import tiny_model
-
-    from trl_dppo.jobs.default_model import DEFAULT_MODEL, resolve_model
+    from benchmarks.weight_sync_check import benchmark_models
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        models = {"tiny Llama (tests)": tiny_model(Path(tmp) / "tiny")}
-        try:
-            models[DEFAULT_MODEL] = resolve_model(DEFAULT_MODEL)
-        except Exception as error:  # no offline copy: the tiny model alone
-            print(f"{DEFAULT_MODEL} skipped: {error}")
-        for name, path in models.items():
+        for name, path in benchmark_models(Path(tmp)).items():
             runs = {variant: run_launch(path, variant, Path(tmp) / f"{len(results)}-{i}.json") for i, variant in
                     enumerate(VARIANTS)}  # fmt: skip
             trl, ours = (runs[variant] for variant in VARIANTS)

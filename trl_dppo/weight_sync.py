@@ -252,6 +252,9 @@ class WeightSyncCheck:
         self.model = llm.llm_engine.model_executor.driver_worker.model_runner.get_model()
         self.dtype = llm.llm_engine.model_config.dtype
         self._warned = False
+        # one sync's state, set by `start` and emptied by `finish`: vLLM's names, and the engine tensors it checks
+        self._names: _EngineNames | None = None
+        self._targets: dict[str, _EngineTensor] = {}
 
     def __call__(self) -> None:
         """Check the engine against the trainer's weights read in a pass of their own (after a sync that read none)."""
@@ -278,10 +281,11 @@ class WeightSyncCheck:
 
     def finish(self) -> None:
         """Compare the engine's tensors, once loaded, with what `read` kept; log, and raise on a mismatch."""
+        targets, names = self._targets, self._names
+        self._names, self._targets = None, {}
         mismatched = {}
-        for name, target in self._targets.items():
-            mismatched.update(target.differences(functools.partial(self._names.trainer_name, name)))
-        targets, self._targets = self._targets, {}
+        for name, target in targets.items():
+            mismatched.update(target.differences(functools.partial(names.trainer_name, name)))
         self.log("weight_sync/checked_parameters", float(sum(len(t.rows) for t in targets.values())))
         self.log("weight_sync/mismatched_parameters", float(len(mismatched)))
         self.log("weight_sync/max_abs_diff", max(mismatched.values(), default=0.0))
@@ -404,17 +408,17 @@ def gathering_module_by_module(vllm_generation) -> None:
     iterate, gather = vllm_generation._iter_named_params, dist.gather_params
 
     def one_module_at_a_time(*args, **kwargs) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        seen, merged = set(), []
-        for module_name, module in model.named_modules():
+        seen, tuner_prefix = set(), None
+        for module_name, module in model.named_modules():  # a module's submodules follow it (pre-order)
             prefix = f"{module_name}." if module_name else ""
-            if any(prefix.startswith(outer) for outer in merged):
+            if tuner_prefix and prefix.startswith(tuner_prefix):
                 continue  # inside a LoRA layer, yielded with it
             recurse = isinstance(module, BaseTunerLayer)
             own = torch.nn.Module.named_parameters(module, recurse=recurse)  # the class's: `model`'s own is replaced
             params = [(prefix + n, p) for n, p in own if id(p) not in seen]  # a tied weight once
             seen.update(id(p) for _, p in params)
             if recurse:
-                merged.append(prefix)
+                tuner_prefix = prefix
             if not params:
                 continue
             # a LoRA layer and any tuner layer nested in it (PEFT nests one per `target_parameters` entry), merged and
