@@ -341,6 +341,27 @@ def assert_mu_is_the_bf16_samplers(mu: torch.Tensor, pi: torch.Tensor, mask: tor
     assert shifted.mean() > 10 * log_gap.mean()  # measured 2.5-3.2
 
 
+def assert_mu_stays_the_bf16_samplers(seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """mu at every step of a run whose weights change between steps, each step generated after a checked sync (mu,
+    pi and the loss mask of each step, in order), is the bf16 sampler's under that step's weights.
+
+    Step 1's per-token gaps |log mu - log pi| are the engine's bf16 cast and arithmetic alone (and mu is checked
+    against them: `assert_mu_is_the_bf16_samplers`). At a later step the same causes act on weights the sync check
+    found equal to the trainer's, so the step's mean gap is another draw of the same size: within 4 standard errors of
+    a difference of two means (step 1's per-token spread, each step's token count). Log-probabilities, not
+    probabilities: the logits' bf16 error does not depend on where a token's probability sits, which the updates move
+    (measured: the mean probability gap grew 2.7x over three updates at lr 0.2, the log gap stayed 0.019-0.031). A
+    sampler left on earlier weights adds the updates' change of log p, which exceeds the bound
+    (tests/test_vllm.py::test_a_sampler_left_on_the_initial_weights_exceeds_the_bound_after_the_updates)."""
+    first_mu, first_pi, first_mask = seen[0]
+    assert_mu_is_the_bf16_samplers(first_mu, first_pi, first_mask)
+    first = (first_mu - first_pi).abs()[first_mask]
+    for step, (mu, pi, mask) in enumerate(seen[1:], start=2):
+        gap = (mu - pi).abs()[mask]
+        bound = first.mean() + 4 * first.std() * math.sqrt(1 / first.numel() + 1 / gap.numel())
+        assert gap.mean() <= bound, f"step {step}: mean |log mu - log pi| {gap.mean():.4f} > {bound:.4f} (step 1's)"
+
+
 def assert_updates_agree(before: dict, update: dict, other_update: dict) -> None:
     """Two runs' parameter updates (`p_after - p_before` per trainable tensor, from the same `before`) are equal to
     float rounding: the same update computed by one process and by two, or in another summation order.
@@ -377,18 +398,21 @@ def launch_command(
     port: int | None = None,
     machines: int = 1,
     machine_rank: int = 0,
+    vllm: bool = True,
 ) -> tuple[list[str], dict[str, str]]:
     """The command and environment that run a test's worker script in one process (`python`) or in several
     (`accelerate launch` with examples/accelerate_configs/`accelerate_config`, by default cpu_2proc.yaml: DDP over gloo
     on the CPU; cpu_zero3.yaml with `launch_flags` ("--zero_stage", "2") for DeepSpeed ZeRO). `processes` counts them
     over all `machines`: with several, this is machine `machine_rank`'s launch, one of `machines` on loopback
-    (`--num_machines`, `--main_process_ip 127.0.0.1`) that share one main process `port`."""
+    (`--num_machines`, `--main_process_ip 127.0.0.1`) that share one main process `port`. `vllm=False` runs the script
+    as if vLLM were not installed (tests/without_vllm.py), for a launch that never generates with it."""
     # A colocated vLLM engine of an earlier test sets torch.distributed's variables in this process (and holds
     # MASTER_PORT): the worker's processes get their own from the launcher, or none
     env = {key: value for key, value in os.environ.items() if key not in TORCH_DISTRIBUTED_ENV}
     env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_WAIT_POLICY="PASSIVE")
     env = with_scope(env, new_scope("launch"))  # every process of this launch carries it (`kill_launch`)
-    command = [sys.executable, str(script)]
+    scripts = [str(script)] if vllm else [str(REPO / "tests" / "without_vllm.py"), str(script)]
+    command = [sys.executable, *scripts]
     if processes > 1:
         command = [
             sys.executable, "-m", "accelerate.commands.launch",
@@ -398,7 +422,7 @@ def launch_command(
             *launch_flags,
             *(("--num_machines", str(machines), "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1")
               if machines > 1 else ()),
-            str(script),
+            *scripts,
         ]  # fmt: skip
     return command, env
 
@@ -482,9 +506,16 @@ def run_launch_worker(stem: Path, spec: dict, processes: int, **launch_options) 
     `launch_options` (see `launch`)."""
     spec_file, out = stem.with_suffix(".json"), stem.with_suffix(".pt")
     spec_file.write_text(json.dumps(spec))
-    done = launch(REPO / "tests" / "launch_worker.py", [str(spec_file), str(out)], processes, **launch_options)
+    arguments = [str(spec_file), str(out)]
+    done = launch(REPO / "tests" / "launch_worker.py", arguments, processes, vllm=uses_vllm(spec), **launch_options)
     assert done.returncode == 0, done.stderr[-4000:]
     return torch.load(out)
+
+
+def uses_vllm(spec: dict) -> bool:
+    """Whether tests/launch_worker.py generates with vLLM or starts a trainer on it for `spec` (a replay never does)."""
+    settings = [*spec["runs"].values(), *spec.get("refused", {}).values(), spec.get("expect_error") or {}]
+    return not spec.get("replay") and any(run.get("use_vllm") for run in settings)
 
 
 @pytest.fixture

@@ -11,7 +11,8 @@ every run trains on that run's global generation batches in one process instead 
 (`_generate_and_score_completions` returns them step by step), which is one process's update of the same batches.
 The main process saves, per run: each process's (mu, pi, loss mask) from each step's loss, the global generation
 batch of each step (the processes' rows in process order), the trainable parameters before training and the update
-(under ZeRO-3, which partitions the parameters, both read gathered).
+at the end of step `update_steps` (by default the last; under ZeRO-3, which partitions the parameters, both read
+gathered). A replay trains up to that step.
 With `count_gathers` (ZeRO-3), each run also reports the most parameter elements gathered at once while it trained.
 With `expect_error`, each process instead saves the error its trainer raised at start (`OUT_FILE.rank<i>`); the
 runs of `refused` (name -> settings, as `runs`) are started after `runs` and saved as each process's error.
@@ -29,7 +30,7 @@ import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
 from peft import LoraConfig
-from transformers import set_seed
+from transformers import TrainerCallback, set_seed
 
 from trl_dppo import DPPOConfig, DPPOTrainer
 from trl_dppo.jobs.default_model import smollm2_tokenizer
@@ -108,11 +109,12 @@ def stack_rows(batches: list[dict]) -> dict:
 
 
 def gathered(parameters: dict) -> contextlib.AbstractContextManager:
-    """Under ZeRO-3 each process holds a shard of each parameter: gather them whole to read (no-op otherwise)."""
+    """Under ZeRO-3 each process holds a shard of each parameter: gather them whole to read (no-op otherwise), past
+    `GATHERS`' count (the test's reads are no part of training)."""
     if any(hasattr(p, "ds_id") for p in parameters.values()):
         import deepspeed
 
-        return deepspeed.zero.GatheredParameters(list(parameters.values()))
+        return (GATHERS.uncounted or deepspeed.zero.GatheredParameters)(list(parameters.values()))
     return contextlib.nullcontext()
 
 
@@ -122,11 +124,13 @@ class GatherCount:
 
     def __init__(self):
         self.now = self.peak = self.total = 0
+        self.uncounted = None  # DeepSpeed's own class, once installed
 
     def install(self) -> None:
         import deepspeed
 
         count, gathered_parameters = self, deepspeed.zero.GatheredParameters
+        self.uncounted = gathered_parameters
 
         class Counted(gathered_parameters):
             def __init__(self, params, *args, **kwargs):
@@ -161,6 +165,20 @@ def largest_module(model: torch.nn.Module) -> int:
     return max(size(module) for module in model.modules())
 
 
+class ReadUpdate(TrainerCallback):
+    """The update (`p - before` per trainable tensor) at the end of optimizer step `step`, read on every process (under
+    ZeRO-3 a gather is a collective); None before."""
+
+    def __init__(self, trainable: dict, before: dict, step: int):
+        self.trainable, self.before, self.step = trainable, before, step
+        self.update = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            with gathered(self.trainable):
+                self.update = {n: p.detach() - self.before[n] for n, p in self.trainable.items()}
+
+
 def peft_config(lora: bool | dict) -> LoraConfig | None:
     """A run's `"lora"` setting: false for full fine-tuning, else `LORA` with the setting's fields over it."""
     return None if lora is False else LoraConfig(**{**LORA, **(lora if isinstance(lora, dict) else {})})
@@ -172,8 +190,9 @@ def train(name: str, settings: dict, spec: dict, out_file: str) -> dict:
     settings = dict(settings)
     lora = settings.pop("lora", True)
     replay = spec.get("replay")
-    if replay:  # no generation: one process trains the recorded global batches
+    if replay:  # no generation: one process trains the recorded global batches, up to the step the update is read at
         settings = {key: value for key, value in settings.items() if not key.startswith("vllm") and key != "use_vllm"}
+        settings["max_steps"] = spec.get("update_steps", settings.get("max_steps", 1))
     trainer = DPPOTrainer(
         model=spec["model_dir"],
         reward_funcs=length_reward,
@@ -209,11 +228,11 @@ def train(name: str, settings: dict, spec: dict, out_file: str) -> dict:
     trainable = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
     with gathered(trainable):
         before = {n: p.detach().clone() for n, p in trainable.items()}
+    read_update = ReadUpdate(trainable, before, spec.get("update_steps", trainer.args.max_steps))
+    trainer.add_callback(read_update)
     GATHERS.peak = GATHERS.total = 0
     trainer.train()
     gathered_at_once, gathered_in_all = GATHERS.peak, GATHERS.total
-    with gathered(trainable):
-        update = {n: p.detach() - before[n] for n, p in trainable.items()}
     by_process = gather_object([{"seen": seen, "generated": generated}])
     steps = len(by_process[0]["generated"])
     return {
@@ -236,7 +255,7 @@ def train(name: str, settings: dict, spec: dict, out_file: str) -> dict:
         if replay
         else [stack_rows([process["generated"][step] for process in by_process]) for step in range(steps)],
         "before": before,
-        "update": update,
+        "update": read_update.update,
         "logs": [entry for entry in trainer.state.log_history if "loss" in entry],
     }
 

@@ -10,6 +10,7 @@ tests/test_tree_attention.py). In CI vLLM must be importable (`conftest.require_
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +23,7 @@ from peft import LoraConfig
 from trl_dppo import AsyncDPPOConfig, AsyncDPPOTrainer
 from trl_dppo.jobs.default_model import default_model_path
 from trl_dppo.jobs.local_server import api_server_command, free_loopback_port, running_server
+from trl_dppo.weight_sync import WeightSyncMismatchError
 
 from .conftest import (
     REPO,
@@ -194,8 +196,12 @@ def test_at_learning_rate_0_mu_is_the_servers_bf16_probability_under_the_synced_
         assert entry["trust_region/masked_fraction"] <= share_over_delta + 1e-6, (entry, share_over_delta)
         lags = [bucket for bucket in ("0", "1", "2", "3plus") if f"staleness/token_fraction_lag_{bucket}" in entry]
         assert lags and all(math.isfinite(entry[f"mismatch/abs_prob_diff_mean_lag_{b}"]) for b in lags)
-    # The adapter-file sync has no check yet: every sync (at the start, then after each step) counted as unchecked
-    assert sum(entry["weight_sync/unchecked"] for entry in logs) == len(trainer._published_at) == 3
+    # Every sync (at the start, then after each step) checked: the server asked to load that version, from files
+    # holding the trainer's 120 adapter tensors (A and B of q and v in SmolLM2's 30 layers)
+    assert sum(entry["weight_sync/checked_parameters"] for entry in logs) == 120 * len(trainer._published_at) == 360
+    assert all(
+        entry["weight_sync/mismatched_parameters"] == 0 and "weight_sync/unchecked" not in entry for entry in logs
+    )
 
 
 def test_the_trust_region_masks_the_samples_that_lag_and_not_the_fresh_ones(server, tokenizer, prompts, tmp_path):
@@ -228,6 +234,32 @@ def test_the_trust_region_masks_the_samples_that_lag_and_not_the_fresh_ones(serv
     # share of the lagged ones (measured 0.06-0.14 at lags 1 and 2, 0.04-0.42 beyond, from step to step)
     old = [fraction for bucket in lagged for fraction in masked[bucket]]
     assert max(masked["0"]) < 0.05 and sum(old) / len(old) > max(masked["0"]) + 0.05, masked
+    # each sync of the moving adapter checked against the files the server loaded: all equal
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert all(entry["weight_sync/checked_parameters"] > 0 for entry in logs)
+    assert all(entry["weight_sync/mismatched_parameters"] == 0 for entry in logs)
+
+
+def test_a_sync_that_publishes_the_previous_versions_adapter_files_stops_the_run_naming_them(
+    server, tokenizer, prompts, tmp_path, monkeypatch
+):
+    """A stale adapter sync: from the second sync on, the folder TRL publishes holds the previous version's files (the
+    adapter moved in between, at lr 1e-2). The check stops the run at that sync, naming the folder and the tensors."""
+    from trl.experimental.async_grpo import async_grpo_trainer
+
+    save = async_grpo_trainer.save_lora_adapter
+
+    def save_the_previous_files(model, accelerator, adapter_name, dest_dir):
+        save(model, accelerator, adapter_name, dest_dir)
+        stem, version = dest_dir.rsplit("-v", 1)
+        if accelerator.is_main_process and int(version) > 1:
+            shutil.copy(f"{stem}-v{int(version) - 1}/adapter_model.safetensors", dest_dir)
+
+    monkeypatch.setattr(async_grpo_trainer, "save_lora_adapter", save_the_previous_files)
+    trainer = async_trainer(tmp_path, server, tokenizer, prompts, learning_rate=1e-2, max_steps=2)
+    stale = r"adapter sync of trl-policy-v2: the files in \S+trl-policy-v2 that the server loads differ"
+    with pytest.raises(WeightSyncMismatchError, match=stale + r" from the trainer's adapter in base_model\.model"):
+        trainer.train()
 
 
 def test_a_server_without_processed_logprobs_is_refused_with_the_restart_command(

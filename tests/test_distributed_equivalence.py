@@ -104,7 +104,7 @@ def runs(tmp_path_factory):
     results = {}
     for processes in (1, 2):
         out = tmp / f"{processes}proc.pt"
-        done = launch(worker, [str(batch_file), str(out)], processes)
+        done = launch(worker, [str(batch_file), str(out)], processes, vllm=False)
         assert done.returncode == 0, done.stderr[-4000:]
         results[processes] = torch.load(out)
     return results

@@ -79,6 +79,7 @@ class Run:
                 port=port,
                 machines=launch.machines,
                 machine_rank=rank,
+                vllm=False,
             )
             arguments = [model_dir, str(folder), mode] + ([] if launch.shared_folder else ["save_on_each_node"])
             folder.mkdir(parents=True, exist_ok=True)

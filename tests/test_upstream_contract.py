@@ -212,6 +212,25 @@ def test_async_policy_versions_move_on_the_main_process_at_each_weight_sync():
     assert "self.model_version = version" in source(AsyncGRPOTrainer._sync_weight_lora)
 
 
+def test_async_adapter_sync_loads_this_versions_folder_under_the_name_the_worker_requests():
+    """`AsyncDPPOTrainer._check_adapter_sync` (`adapter_sync.py`): TRL's adapter sync saves the adapter of
+    `_adapter_name` to a folder and has the main process's client load it as `{_lora_name}-v{version}`, once per sync,
+    before `model_version` becomes that version; the worker requests `{lora_name}-v{model_version}`; the file's names
+    are PEFT's."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer, async_rollout_worker
+
+    sync = source(AsyncGRPOTrainer._sync_weight_lora)
+    assert "save_lora_adapter(model, self.accelerator, self._adapter_name, adapter_dir)" in sync
+    assert 'self.vllm_client.load_lora_adapter(f"{self._lora_name}-v{version}", adapter_dir)' in sync
+    assert sync.index("load_lora_adapter") < sync.index("self.model_version = version")
+    assert 'return f"{self.lora_name}-v{self.model_version}"' in source(
+        async_rollout_worker._AsyncRolloutLoop._request_model.fget
+    )
+    assert "model.save_pretrained(tmp_dir, selected_adapters=[adapter_name]" in source(
+        async_grpo_trainer.save_lora_adapter
+    )
+
+
 def test_async_log_reduces_pairs_and_words_and_passes_one_value_on():
     """`AsyncDPPOTrainer.log`: AsyncGRPOTrainer's `log` reduces the window lists of `self._metrics[mode]` (the mode
     from `self.model.training`) with `_reduce_metric` after dropping NaNs (None when none is left, as GRPOTrainer):

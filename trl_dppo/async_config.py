@@ -13,6 +13,7 @@ from .config import (
     refuse_vllm_truncated_sampling,
 )
 from .trust_regions import get_trust_region
+from .weight_sync import WEIGHT_SYNC_CHECKS
 
 
 __all__ = ["AsyncDPPOConfig"]
@@ -37,7 +38,9 @@ class AsyncDPPOConfig(TrustRegionArguments, AsyncGRPOConfig):
     `disable_dropout` (not a field of AsyncGRPOConfig) is GRPOConfig's, on by default as in [`DPPOConfig`]: the
     trainer zeroes the model's dropout, whose noise would make pi another function than the server's mu.
     `stop_on_non_finite` is [`DPPOConfig`]'s: training stops at the first step with a non-finite loss, gradient norm or
-    parameter.
+    parameter. `weight_sync_check` takes [`DPPOConfig`]'s values on this trainer's sync: after each adapter sync, the
+    adapter the server was asked to load must be this version's, under the name the rollout worker requests, in
+    files equal to the trainer's adapter tensors.
     """
 
     _VALID_DICT_FIELDS = AsyncGRPOConfig._VALID_DICT_FIELDS + [
@@ -49,6 +52,19 @@ class AsyncDPPOConfig(TrustRegionArguments, AsyncGRPOConfig):
     disable_dropout: bool = field(default=True, metadata={"help": DISABLE_DROPOUT_HELP})
     # DPPOConfig's field of the same name and help: both trainers stop at a non-finite step (`non_finite.py`)
     stop_on_non_finite: bool = field(default=True, metadata={"help": STOP_ON_NON_FINITE_HELP})
+    # DPPOConfig's field of the same name and values, on this trainer's sync path (`adapter_sync.py`)
+    weight_sync_check: str = field(
+        default="raise",
+        metadata={
+            "help": "After each adapter sync to the vLLM server (TRL's adapter-file sync, with a LoRA adapter), check "
+            "that the server was asked to load this version, under the name the rollout worker requests, from files "
+            "equal to the trainer's adapter tensors: 'raise' stops at a difference naming it, 'log' logs "
+            "weight_sync/mismatched_parameters and trains on, 'off' skips it. Each check logs "
+            "weight_sync/checked_parameters (the adapter's tensors); a sync not checked logs weight_sync/unchecked. "
+            "The server's memory is not read: it loads the files when asked.",
+            "choices": list(WEIGHT_SYNC_CHECKS),
+        },
+    )
 
     def __post_init__(self):
         self._resolve_trust_region()
@@ -66,6 +82,11 @@ class AsyncDPPOConfig(TrustRegionArguments, AsyncGRPOConfig):
         refuse_vllm_truncated_sampling(
             self, "Remove it: AsyncDPPOTrainer samples through vLLM, which cannot report the untruncated mu."
         )
+        if self.weight_sync_check not in WEIGHT_SYNC_CHECKS:
+            raise ValueError(
+                f"weight_sync_check={self.weight_sync_check!r} is not one of {', '.join(WEIGHT_SYNC_CHECKS)}: 'raise' "
+                "(stop when the adapter the server loads is not the trainer's), 'log' (log it and train on) or 'off'."
+            )
         super().__post_init__()  # parses `trust_region_kwargs` given as a JSON string
         self.trust_region_settings  # a bad or missing setting fails here, not at the first step  # noqa: B018
         self.trust_region_correction_settings  # likewise for the corrections  # noqa: B018

@@ -23,6 +23,9 @@ small override (`docs/overrides.md`; `tests/test_upstream_contract.py` pins what
   kernel is not available (no CUDA, or not loadable), uses an exact PyTorch version of TRL's packed tree attention
   (`tree_attention.py`); on a device without CUDA reads no peak-FLOPs figure (TRL reads it through `torch.cuda`) and
   refuses TRL's full-weight sync (NCCL, CUDA only) with what to do instead.
+- `_sync_weight`: under ZeRO-3 gathers the adapter for TRL's adapter-file sync, and checks that sync: the adapter the
+  server is told to load holds the trainer's tensors exactly, under the name the rollout worker requests
+  (`weight_sync_check`; `adapter_sync.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
 from trl.experimental.async_grpo.packing import TREE_ATTENTION
 from trl.trainer.utils import disable_dropout_in_model
 
+from .adapter_sync import adapter_sync_problems, recording_adapter_loads
 from .async_config import AsyncDPPOConfig
 from .checkpoints import accept_indexed_cpu_device, complete_deepspeed_checkpoint_on_this_machine
 from .corrections import Correction, apply_corrections
@@ -67,7 +71,7 @@ from .trainer import DPPOTrainer, check_training_dropout
 from .tree_attention import register_tree_attention_without_kernel
 from .trust_regions import TrustRegion, TrustRegionInput, get_trust_region
 from .vllm_server import refuse_unprocessed_logprobs
-from .weight_sync import warn_unchecked_syncs
+from .weight_sync import WeightSyncMismatchError, warn_unchecked_syncs
 
 
 if TYPE_CHECKING:
@@ -242,7 +246,9 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
             disable_dropout_in_model(self.model)
         check_training_dropout(self.model, args.disable_dropout)
         refuse_untrained_aux_loss(self.aux_loss_enabled, self.args)
-        if self.accelerator.is_main_process:
+        # TRL's adapter-file sync is checked (`adapter_sync.py`); a full-weight sync (NCCL) has no reader yet
+        self._adapter_sync_checked = self._lora_sync and args.weight_sync_check != "off"
+        if self.accelerator.is_main_process and not self._adapter_sync_checked:
             sync = "TRL's adapter-file sync" if self._lora_sync else "the full-weight sync"
             warn_unchecked_syncs(f"AsyncDPPOTrainer's weight sync ({sync} to the server)")
         # Registered after TRL's own registration in `super().__init__`, which it replaces
@@ -284,20 +290,50 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
         # TRL's adapter sync saves `model.state_dict()`'s LoRA tensors as it finds them, which under ZeRO-3 are each
         # process's empty shards: the adapter gathered whole on every process (a collective; a no-op without ZeRO-3)
         adapter = [param for name, param in self.model.named_parameters() if "lora_" in name]
+        checked = self._adapter_sync_checked
+        recording = checked and self.accelerator.is_main_process  # TRL's client lives on the main process
         try:
             with DistributedBackend(self.accelerator).gather_params(adapter) if self._lora_sync else nullcontext():
-                super()._sync_weight()
+                with recording_adapter_loads(self.vllm_client) if recording else nullcontext([]) as loaded:
+                    super()._sync_weight()
+                if checked:  # in the gather: the trainer's adapter whole, as the sync saved it
+                    self._check_adapter_sync(loaded)
         except (
             OSError
         ) as error:  # as TRL's `requests.ConnectionError`: if the server is gone, say so and how to resume
             if self._server_watch is not None and not self._server_watch.answers():
                 raise self._server_watch.error() from error
             raise
-        self._metrics["train"]["weight_sync/unchecked"].append(1.0)  # no reader of the served weights yet
+        if not checked:
+            self._metrics["train"]["weight_sync/unchecked"].append(1.0)
         # TRL counts versions on the main process only; every process's loss needs each version's step for its
         # samples' lag in updates
         version, step = broadcast_object_list([(self.model_version, self.state.global_step)], from_process=0)[0]
         self._published_at[version] = step
+
+    def _check_adapter_sync(self, loaded: list[tuple[str, str]]) -> None:
+        """After TRL's adapter sync (`adapter_sync.py`): on the main process, the adapter the server was asked to load
+        against the trainer's; on every process, the same metrics and, with `weight_sync_check="raise"`, the same
+        error (the others would otherwise wait for the main process in the next collective)."""
+        report = None
+        if self.accelerator.is_main_process:
+            from peft import get_peft_model_state_dict
+
+            model = self.accelerator.unwrap_model(self.model)
+            tensors = get_peft_model_state_dict(model, adapter_name=self._adapter_name)
+            version = getattr(self.rollout_worker, "model_version", None)
+            requested = None if version is None else f"{self._lora_name}-v{version}"
+            expected = f"{self._lora_name}-v{self.model_version}"
+            report = (*adapter_sync_problems(loaded, tensors, expected, requested), len(tensors), expected)
+        problems, mismatched, checked, name = broadcast_object_list([report], from_process=0)[0]
+        self._metrics["train"]["weight_sync/checked_parameters"].append(float(checked))
+        self._metrics["train"]["weight_sync/mismatched_parameters"].append(float(mismatched))
+        if problems and self.args.weight_sync_check == "raise":
+            raise WeightSyncMismatchError(
+                f"AsyncDPPOTrainer's adapter sync of {name}: {'; '.join(problems)}. The server would sample from "
+                "another policy than the trainer's, and mu would describe it. weight_sync_check='log' logs "
+                "weight_sync/mismatched_parameters and trains on."
+            )
 
     # -------------------------------------------------------------------------------------------------- loss
 
