@@ -15,7 +15,6 @@ files unless it kept another adapter under the same name, which TRL avoids by na
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
@@ -28,12 +27,12 @@ __all__ = ["adapter_file_mismatches", "adapter_sync_problems", "recording_adapte
 
 
 def adapter_file_mismatches(adapter_dir: str, adapter: Mapping[str, torch.Tensor]) -> list[str]:
-    """The names of the tensors in which the adapter saved in `adapter_dir` (PEFT's `adapter_model.safetensors`)
-    differs from `adapter` (`peft.get_peft_model_state_dict`'s names): missing on either side, or not equal (shape,
-    dtype or any element)."""
-    from safetensors.torch import load_file
+    """The names of the tensors in which the adapter saved in `adapter_dir` (PEFT's `adapter_model.safetensors`, read
+    by PEFT's loader) differs from `adapter` (`peft.get_peft_model_state_dict`'s names): missing on either side, or
+    not equal (shape, dtype or any element)."""
+    from peft.utils import load_peft_weights
 
-    saved = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    saved = load_peft_weights(adapter_dir, device="cpu")
 
     def equal(name: str) -> bool:
         ours = adapter[name].detach().cpu()
