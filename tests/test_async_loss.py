@@ -320,6 +320,7 @@ def test_init_takes_async_grpo_trainers_parameters():
         ({"trust_region": "minirl"}, "runs no such pass"),
         ({"top_p": 0.9}, "top_p with vLLM generation changes the sampling distribution"),
         ({"repetition_penalty": 1.1}, "repetition_penalty with vLLM generation"),
+        ({"weight_sync_check": "warn"}, "weight_sync_check='warn' is not one of raise, log, off"),
     ],
 )
 def test_settings_whose_mu_cannot_be_right_are_refused(setting, message, tmp_path):

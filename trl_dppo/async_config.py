@@ -13,7 +13,7 @@ from .config import (
     refuse_vllm_truncated_sampling,
 )
 from .trust_regions import get_trust_region
-from .weight_sync import WEIGHT_SYNC_CHECKS
+from .weight_sync import WEIGHT_SYNC_CHECKS, refuse_unknown_weight_sync_check
 
 
 __all__ = ["AsyncDPPOConfig"]
@@ -82,11 +82,9 @@ class AsyncDPPOConfig(TrustRegionArguments, AsyncGRPOConfig):
         refuse_vllm_truncated_sampling(
             self, "Remove it: AsyncDPPOTrainer samples through vLLM, which cannot report the untruncated mu."
         )
-        if self.weight_sync_check not in WEIGHT_SYNC_CHECKS:
-            raise ValueError(
-                f"weight_sync_check={self.weight_sync_check!r} is not one of {', '.join(WEIGHT_SYNC_CHECKS)}: 'raise' "
-                "(stop when the adapter the server loads is not the trainer's), 'log' (log it and train on) or 'off'."
-            )
+        refuse_unknown_weight_sync_check(
+            self.weight_sync_check, "when the adapter the server loads is not the trainer's"
+        )
         super().__post_init__()  # parses `trust_region_kwargs` given as a JSON string
         self.trust_region_settings  # a bad or missing setting fails here, not at the first step  # noqa: B018
         self.trust_region_correction_settings  # likewise for the corrections  # noqa: B018

@@ -14,7 +14,7 @@ from trl import GRPOConfig
 
 from .corrections import CORRECTIONS, Correction, resolve_corrections
 from .trust_regions import SHARED_SETTINGS, TRUST_REGIONS, get_trust_region
-from .weight_sync import WEIGHT_SYNC_CHECKS
+from .weight_sync import WEIGHT_SYNC_CHECKS, refuse_unknown_weight_sync_check
 
 
 __all__ = [
@@ -467,12 +467,9 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
             raise ValueError(
                 f"vllm_server_stall_timeout must be a positive number of seconds, got {self.vllm_server_stall_timeout!r}."
             )
-        if self.weight_sync_check not in WEIGHT_SYNC_CHECKS:
-            raise ValueError(
-                f"weight_sync_check={self.weight_sync_check!r} is not one of {', '.join(WEIGHT_SYNC_CHECKS)}: 'raise' "
-                "(stop at a mismatch between the engine's weights and the trainer's), 'log' (log it and train on) or "
-                "'off'."
-            )
+        refuse_unknown_weight_sync_check(
+            self.weight_sync_check, "at a mismatch between the engine's weights and the trainer's"
+        )
         if not (isinstance(self.weight_sync_check_layers, int) and self.weight_sync_check_layers >= 1):
             raise ValueError(
                 f"weight_sync_check_layers must be a positive integer (decoder layers compared per sync), got "

@@ -36,6 +36,7 @@ __all__ = [
     "WeightSyncCheck",
     "WeightSyncMismatchError",
     "counting_unchecked_syncs",
+    "refuse_unknown_weight_sync_check",
     "gathering_module_by_module",
     "prepacking_cpu_experts_on_reload",
     "resetting_encoder_cache",
@@ -47,6 +48,15 @@ logger = logging.getLogger(__name__)
 
 # `weight_sync_check`'s values: stop the run on a mismatch, log it and train on, or skip the check
 WEIGHT_SYNC_CHECKS = ("raise", "log", "off")
+
+
+def refuse_unknown_weight_sync_check(value: str, mismatch: str) -> None:
+    """A config's `weight_sync_check` must be one of `WEIGHT_SYNC_CHECKS`; `mismatch` says what "raise" stops at."""
+    if value not in WEIGHT_SYNC_CHECKS:
+        raise ValueError(
+            f"weight_sync_check={value!r} is not one of {', '.join(WEIGHT_SYNC_CHECKS)}: 'raise' (stop {mismatch}), "
+            "'log' (log it and train on) or 'off'."
+        )
 
 
 def sync_weights_in_place(vllm_generation, check: WeightSyncCheck | None = None) -> None:
