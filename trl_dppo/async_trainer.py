@@ -24,8 +24,9 @@ small override (`docs/overrides.md`; `tests/test_upstream_contract.py` pins what
   (`tree_attention.py`); on a device without CUDA reads no peak-FLOPs figure (TRL reads it through `torch.cuda`) and
   refuses TRL's full-weight sync (NCCL, CUDA only) with what to do instead.
 - `_sync_weight`: under ZeRO-3 gathers the adapter for TRL's adapter-file sync, and checks that sync: the adapter the
-  server is told to load holds the trainer's tensors exactly, under the name the rollout worker requests
-  (`weight_sync_check`; `adapter_sync.py`).
+  server is told to load holds the trainer's tensors exactly, under the name the rollout worker requests, and a probe
+  of what the server serves under that name is nearer this version than the previous one (`weight_sync_check`;
+  `adapter_sync.py`).
 """
 
 from __future__ import annotations
@@ -42,10 +43,17 @@ from accelerate.utils import broadcast_object_list
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.distributed import DistributedBackend
 from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
-from trl.experimental.async_grpo.packing import TREE_ATTENTION
+from trl.experimental.async_grpo.packing import TREE_ATTENTION, TreeRow
 from trl.trainer.utils import disable_dropout_in_model
 
-from .adapter_sync import adapter_sync_problems, recording_adapter_loads
+from .adapter_sync import (
+    PROBE_PROMPT,
+    AdapterProbe,
+    ProbeReading,
+    adapter_sync_problems,
+    recording_adapter_loads,
+    served_probe,
+)
 from .async_config import AsyncDPPOConfig
 from .checkpoints import accept_indexed_cpu_device, complete_deepspeed_checkpoint_on_this_machine
 from .corrections import Correction, apply_corrections
@@ -248,6 +256,7 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
         refuse_untrained_aux_loss(self.aux_loss_enabled, self.args)
         # TRL's adapter-file sync is checked (`adapter_sync.py`); a full-weight sync (NCCL) has no reader yet
         self._adapter_sync_checked = self._lora_sync and args.weight_sync_check != "off"
+        self._adapter_probe = AdapterProbe()
         if self.accelerator.is_main_process and not self._adapter_sync_checked:
             sync = "TRL's adapter-file sync" if self._lora_sync else "the full-weight sync"
             warn_unchecked_syncs(f"AsyncDPPOTrainer's weight sync ({sync} to the server)")
@@ -298,6 +307,8 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
                     super()._sync_weight()
                 if checked:  # in the gather: the trainer's adapter whole, as the sync saved it
                     self._check_adapter_sync(loaded)
+            if checked:  # out of it: the probe's forward gathers what it needs under ZeRO-3
+                self._probe_served_adapter()
         except (
             OSError
         ) as error:  # as TRL's `requests.ConnectionError`: if the server is gone, say so and how to resume
@@ -334,6 +345,72 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
                 "another policy than the trainer's, and mu would describe it. weight_sync_check='log' logs "
                 "weight_sync/mismatched_parameters and trains on."
             )
+
+    def _probe_served_adapter(self) -> None:
+        """After a checked adapter sync: the server's log-probabilities of the probe under this version's name, set
+        beside the trainer's under this version and the previous one (`adapter_sync.ProbeReading`). What the files'
+        check cannot see: what the server serves. Every process scores the probe (a collective under ZeRO-3) and
+        logs the same metrics; the main process asks the server."""
+        probe, url = self._adapter_probe, self.args.vllm_server_base_url
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        prompt_ids = tokenizer(PROBE_PROMPT)["input_ids"]
+        name = samples = served = None
+        if self.accelerator.is_main_process:  # this version's name, which TRL counts on the main process alone
+            name = f"{self._lora_name}-v{self.model_version}"
+            samples, served = served_probe(url, name, prompt_ids, self.args.temperature)
+        name, samples = broadcast_object_list([(name, samples)], from_process=0)[0]
+        current = self._trainer_probe_log_probs(prompt_ids, samples)
+        reading = None
+        if self.accelerator.is_main_process:  # read once, so that every process makes the same decision
+            reading = ProbeReading.read(served, current, probe.carried_over(samples))
+        reading = broadcast_object_list([reading], from_process=0)[0]
+        probe.samples, probe.log_probs = samples, current
+        metrics = self._metrics["train"]
+        metrics["weight_sync/probe_gap"].append(reading.gap)
+        metrics["weight_sync/probe_unresolved"].append(float(not reading.resolved))
+        metrics["weight_sync/probe_missing_tokens"].append(float(reading.missing))
+        metrics["weight_sync/probe_served_previous"].append(float(reading.serves_previous))
+        if reading.resolved:  # a rate: the window's mean position over its resolved syncs
+            metrics["weight_sync/probe_position"].append((reading.position, 1.0))
+        if reading.serves_previous and self.args.weight_sync_check == "raise":
+            raise WeightSyncMismatchError(
+                f"AsyncDPPOTrainer's adapter sync of {name}: the server serves the previous version. Its "
+                f"log-probabilities of the probe lie at {reading.position:.2f} (standard error "
+                f"{reading.standard_error:.2f}) between the trainer's under the previous version (0) and under this "
+                "one (1), though the files it was asked to load are this version's. mu would describe the previous "
+                "policy. weight_sync_check='log' logs weight_sync/probe_served_previous and trains on."
+            )
+
+    def _trainer_probe_log_probs(self, prompt_ids: list[int], samples: list[list[int]]) -> torch.Tensor:
+        """The trainer's log-probabilities of the probe's sampled tokens, in one tensor as `served_probe` gives the
+        server's: TRL's training forward over them packed in one row (`TreeRow`, its tree attention; the prompt
+        forwarded once), as the loss scores samples."""
+        row = TreeRow()
+        for sample in samples:
+            ids = torch.tensor([*prompt_ids, *sample])
+            completion = torch.arange(len(ids)) >= len(prompt_ids)
+            mask, zeros = completion.long(), torch.zeros(len(ids))
+            row.add(
+                {"input_ids": ids, "completion_mask": mask, "old_log_probs": zeros, "advantage": 0.0, "group_id": 0}
+            )
+        packed = {key: value.to(self.accelerator.device) for key, value in row.pack().items()}
+        max_q, max_k = packed["tree_max_seqlens"].tolist()
+        training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            outputs = self.model(
+                input_ids=packed["input_ids"][None],
+                position_ids=packed["position_ids"][None],
+                shift_labels=packed["shift_labels"][None],
+                fused_lm_head=True,
+                tree_kv_index=packed["tree_kv_index"],
+                tree_cu_seqlens_q=packed["tree_cu_seqlens_q"],
+                tree_cu_seqlens_k=packed["tree_cu_seqlens_k"],
+                tree_max_seqlen_q=max_q,
+                tree_max_seqlen_k=max_k,
+            )
+        self.model.train(training)
+        return outputs.log_probs.flatten()[packed["token_index"]].float().cpu()
 
     # -------------------------------------------------------------------------------------------------- loss
 

@@ -94,6 +94,7 @@ MAXIMA = frozenset(
         "mismatch/at_sync_abs_prob_diff_max",
         "staleness/lag_max",
         "weight_sync/max_abs_diff",
+        "weight_sync/probe_gap",
     }
 )
 COUNTS = frozenset(
@@ -103,6 +104,9 @@ COUNTS = frozenset(
         "weight_sync/checked_parameters",
         "weight_sync/mismatched_parameters",
         "weight_sync/unchecked",
+        "weight_sync/probe_unresolved",
+        "weight_sync/probe_served_previous",
+        "weight_sync/probe_missing_tokens",
     }
 )
 
