@@ -15,7 +15,8 @@ import torch
 from .conftest import assert_updates_agree, tiny_model_logprob_atol, two_processes_then_one
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.launch]
+# Also on the newest and oldest stacks (.ci/run's stage 3): the one launch there
+pytestmark = [pytest.mark.slow, pytest.mark.launch, pytest.mark.ranges]
 
 RUNS = {
     "transformers-binary_tv": {"divergence": "binary_tv"},
