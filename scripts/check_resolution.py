@@ -1,7 +1,9 @@
 """Whether pip can install the built wheel beside the stacks TRL users have, and beside each vLLM minor release.
 
-Each check is pip's resolver on PyPI's metadata (`pip install --dry-run --ignore-installed --report`): nothing is
-downloaded but metadata, so a CUDA torch costs nothing here. A user stack is pinned exactly next to the wheel: it
+Each check is pip's resolver on PyPI's metadata (`pip install --dry-run --ignore-installed --report`). pip reads each
+wheel's metadata by HTTP range requests (`--use-feature=fast-deps`): where the index serves no separate metadata file
+(PEP 658), as the mirror these machines and CI use, a plain dry run downloads every wheel it resolves, a CUDA torch
+stack about 3 GB per check, and at stop 59 those downloads filled CI's disk and failed this stage. A user stack is pinned exactly next to the wheel: it
 resolves only if the wheel's ranges accept every one of its versions, i.e. installing the wheel into that environment
 changes none of them. pip reads PyPI alone, as on a user's machine: this machine's pip configuration (a local
 wheel of the CPU torch, a constraint capping torch at 2.14.1) is left out. A vLLM check asks for the wheel's `[vllm]` extra with one vLLM minor release and records the
@@ -87,6 +89,7 @@ def resolve(wheel: Path, check: Check) -> Check:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet"]
+        command += ["--use-feature=fast-deps"]
         command += ["--disable-pip-version-check", "--report", str(report), *requirements]
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0:
