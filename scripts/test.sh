@@ -14,4 +14,7 @@ if [ "${1:-}" = "--quick" ]; then
     shift
     tier=(-m "not slow and not vllm and not launch")
 fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "${tier[@]}" "$@"
+# Two workers, each running whole modules (module fixtures start once): the launches and servers wait on each other
+# and on their bounds about half their time, which the other worker's tests fill (tests/conftest.py orders the modules);
+# `-n 0` after the command runs them in one process
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadscope --no-loadscope-reorder "${tier[@]}" "$@"

@@ -44,6 +44,27 @@ from .process_bounds import (  # noqa: F401 (the plugin's hooks and fixture, fou
 )
 
 
+# The order modules run in. test_moe_vllm first, in a process that has built no vLLM engine: a dense colocated engine
+# built earlier in the same process leaves vLLM's model-parallel groups set up without the expert-parallel group, and
+# an engine built after keeps the groups it finds, so the MoE engine failed at its first forward ("expert parallel
+# group is not initialized"); tearing the groups down between engines destroyed the world group the next dense engine
+# needs. Then the modules that take longest, longest first (each one's seconds in a serial run on 2 cores: 347, 300,
+# 283, 198, 195, 153, 68, 48, 45, 41, 38, 31, 29; the rest under 30 together): scripts/test.sh runs two pytest-xdist
+# workers, each taking a whole module when it is nearly done with its last (`--dist loadscope --no-loadscope-reorder`),
+# and handing out the longest first leaves the short ones to fill the end, where one worker would otherwise run a long
+# one alone
+MODULE_ORDER = [
+    "test_moe_vllm", "test_vllm", "test_async", "test_vllm_server", "test_zero", "test_kill_and_resume",
+    "test_server_faults", "test_moe", "test_tools_vllm", "test_process_bounds", "test_hh_pipeline", "test_tools",
+    "test_distributed_equivalence", "test_launch_matrix",
+]  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: position for position, name in enumerate(MODULE_ORDER)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(rank)))
+
+
 # One ulp of 1.0 in float32 (2**-23); an ulp of x is at most EPS32 * |x|
 EPS32 = torch.finfo(torch.float32).eps
 # The largest logit of build_tiny_model's models (head_scale 30): 17.2 measured on random prompts; 20 bounds it

@@ -195,6 +195,8 @@ _run_scope: list[str] = []
 
 
 def pytest_configure(config):
+    if not hasattr(config, "workerinput") and getattr(config.option, "dist", "no") != "no":
+        return  # pytest-xdist's controller runs no test; each worker it starts keeps its own run scope
     scope = new_scope("run")
     os.environ[SCOPES_VARIABLE] = with_scope(dict(os.environ), scope)[SCOPES_VARIABLE]
     _run_scope.append(scope)
