@@ -1,6 +1,6 @@
 """Trains AsyncDPPOTrainer (MODEL_DIR + LoRA, learning rate 0) against a vLLM server under whatever launched it and
 saves, per process, each loss computation's (pi, mu) of its loss terms and the versions the trainer published:
-tests/test_async.py checks that with two training processes, under DDP or DeepSpeed ZeRO, both train on the server's
+tests/test_async_launches.py checks that with two training processes, under DDP or DeepSpeed ZeRO, both train on the server's
 records under the adapter the trainer publishes. The adapter changes the model (PEFT starts B at 0, a no-op).
 
     python tests/async_launch_worker.py SERVER_URL OUT_FILE MODEL_DIR

@@ -48,15 +48,16 @@ from .process_bounds import (  # noqa: F401 (the plugin's hooks and fixture, fou
 # built earlier in the same process leaves vLLM's model-parallel groups set up without the expert-parallel group, and
 # an engine built after keeps the groups it finds, so the MoE engine failed at its first forward ("expert parallel
 # group is not initialized"); tearing the groups down between engines destroyed the world group the next dense engine
-# needs. Then the modules that take longest, longest first (each one's seconds in a serial run on 2 cores: 347, 300,
-# 283, 198, 195, 153, 68, 48, 45, 41, 38, 31, 29; the rest under 30 together): scripts/test.sh runs two pytest-xdist
-# workers, each taking a whole module when it is nearly done with its last (`--dist loadscope --no-loadscope-reorder`),
-# and handing out the longest first leaves the short ones to fill the end, where one worker would otherwise run a long
-# one alone
+# needs. Then the modules that take longest, longest first (seconds in a serial run on 2 cores, of the modules as they
+# were then: the colocate launches about 250, the server 283, the async launches about 250, ZeRO 198, kill-and-resume
+# 195, the one-process async tests about 170, server faults 153, one-process colocate about 100; the rest 70 or less
+# each): scripts/test.sh runs two pytest-xdist workers, each taking a whole module when it is nearly done with its last
+# (`--dist loadscope --no-loadscope-reorder`), and handing out the longest first leaves the short ones to fill the
+# end, where one worker would otherwise run a long one alone
 MODULE_ORDER = [
-    "test_moe_vllm", "test_vllm", "test_async", "test_vllm_server", "test_zero", "test_kill_and_resume",
-    "test_server_faults", "test_moe", "test_tools_vllm", "test_process_bounds", "test_hh_pipeline", "test_tools",
-    "test_distributed_equivalence", "test_launch_matrix",
+    "test_moe_vllm", "test_vllm_launches", "test_vllm_server", "test_async_launches", "test_zero",
+    "test_kill_and_resume", "test_async", "test_server_faults", "test_vllm", "test_moe", "test_tools_vllm",
+    "test_process_bounds", "test_hh_pipeline", "test_tools", "test_distributed_equivalence", "test_launch_matrix",
 ]  # fmt: skip
 
 

@@ -27,12 +27,8 @@ from trl_dppo.jobs.local_server import api_server_command, free_loopback_port, r
 from trl_dppo.weight_sync import WeightSyncMismatchError
 
 from .conftest import (
-    REPO,
     NoWeightTransfer,
-    assert_mu_is_the_bf16_samplers,
-    launch,
     length_reward,
-    require_deepspeed,
     require_vllm,
 )
 
@@ -43,8 +39,8 @@ from trl.experimental.async_grpo import AsyncGRPOTrainer  # noqa: E402
 from trl.experimental.async_grpo.vllm_client import VLLMClient  # noqa: E402
 
 
-# SmolLM2's server starts in the module's first test (19 s measured alone), the tiny model's in its first launch test
-# (17 s); a launch takes 28-31 s
+# SmolLM2's server starts in the module's first test (19 s measured alone); the launches are in
+# tests/test_async_launches.py
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 MAX_STALENESS = 3
@@ -91,14 +87,6 @@ def server(smollm2_server):
     """SmolLM2's server, emptied of the adapters a test's run left loaded."""
     yield smollm2_server
     unload_adapters(smollm2_server)
-
-
-@pytest.fixture(scope="module")
-def tiny_server(vllm_model_dir, tmp_path_factory):
-    """The peaked tiny model's server, for the launches: a process's start and a step cost a fraction of SmolLM2's."""
-    with lora_server(vllm_model_dir, tmp_path_factory.mktemp("vllm-tiny-lora-server")) as url:
-        yield url
-        unload_adapters(url)
 
 
 def async_trainer(tmp_path, url, tokenizer, prompts, **overrides) -> AsyncDPPOTrainer:
@@ -317,42 +305,3 @@ def test_full_weight_sync_over_nccl_is_refused_without_cuda(vllm_model_dir, toke
     args = AsyncDPPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, vllm_server_base_url="http://x:1")
     with pytest.raises(ValueError, match="over NCCL, which needs CUDA on both sides"):
         AsyncDPPOTrainer(vllm_model_dir, length_reward, args, train_dataset=prompts, processing_class=tokenizer)
-
-
-# Two training processes over DDP, and under DeepSpeed ZeRO-2 and ZeRO-3 (where TRL's adapter sync saves the adapter
-# gathered with TRL's `DistributedBackend.gather_params` in `AsyncDPPOTrainer._sync_weight`)
-ASYNC_LAUNCHES = {
-    "ddp": {},
-    "zero2": {"accelerate_config": "cpu_zero3.yaml", "launch_flags": ("--zero_stage", "2")},
-    "zero3": {"accelerate_config": "cpu_zero3.yaml", "launch_flags": ("--zero_stage", "3")},
-}
-
-
-@pytest.mark.launch
-@pytest.mark.slow
-@pytest.mark.parametrize("cell", list(ASYNC_LAUNCHES))
-def test_two_training_processes_against_one_server_each_train_on_the_servers_records_under_the_published_adapter(
-    tiny_server, vllm_model_dir, tmp_path, cell
-):
-    """TRL's rollout worker runs on the main process and hands each process its rows; both train on mu as the server
-    recorded it under the adapter the trainer publishes (learning rate 0: the trainer's weights stay the published
-    ones, a non-zero adapter), from the samples of the versions that two syncs or more published. The peaked tiny
-    model: a wrong mu shows as on SmolLM2 (the first test of this module shows a server without the adapter is far)."""
-    if cell != "ddp":
-        require_deepspeed()
-    out = tmp_path / "async"
-    arguments = [tiny_server, str(out), vllm_model_dir]
-    done = launch(REPO / "tests" / "async_launch_worker.py", arguments, processes=2, **ASYNC_LAUNCHES[cell])
-    unload_adapters(tiny_server)
-    assert done.returncode == 0, done.stderr[-4000:]
-    for rank in (0, 1):
-        run = torch.load(f"{out}.rank{rank}")
-        assert run["num_processes"] == 2 and len(run["seen"]) == 3
-        assert run["partitioned"] == (cell == "zero3")
-        assert len(run["published"]) >= 3, run["published"]  # a version per optimizer step, after the first
-        for step in run["seen"]:
-            assert not step["missing"].any()
-            # the bf16 server's mu against the fp32 trainer's pi, over the step's loss terms as one row (measured
-            # here: a mean probability gap of 0.002-0.003, a max of 0.018; a neighbour's mu 0.7-2.0 away in log)
-            mu, pi = step["mu"][None], step["pi"][None]
-            assert_mu_is_the_bf16_samplers(mu, pi, torch.ones_like(mu, dtype=torch.bool))

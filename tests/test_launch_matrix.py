@@ -3,7 +3,7 @@ on its own rows, and the step's update is the one a single process makes from th
 
 `tests/launch_worker.py` trains one optimizer step under `accelerate launch` (examples/accelerate_configs/cpu_2proc.yaml,
 gloo) and again in one process on the two processes' generation batch stacked in process order. The vLLM cells of the
-same matrix are in tests/test_vllm.py (colocate) and tests/test_vllm_server.py (server); docs/distributed.md lists every
+same matrix are in tests/test_vllm_launches.py (colocate) and tests/test_vllm_server.py (server); docs/distributed.md lists every
 cell with its test.
 """
 
