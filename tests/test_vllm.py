@@ -298,3 +298,22 @@ def test_a_sync_without_a_check_is_logged_as_unchecked_after_it_ran():
     sync = counting_unchecked_syncs(lambda: events.append("synced") or "result", lambda *log: events.append(log))
     assert sync() == "result" and sync() == "result"
     assert events == ["synced", ("weight_sync/unchecked", 1.0)] * 2
+
+
+def test_a_jobs_end_leaves_no_vllm_groups_behind_for_the_next_engine_in_the_process(tmp_path):
+    """`run_job` ends torch's process group once a job is done (`script_utils._close_process_group`); the groups a
+    colocated engine set up over it in vLLM's module state end with it, so that the next engine built in the same
+    process sets them up again. Left behind, that engine failed at its start ("not initialized in the world group
+    map"): seen with the suite on two workers, a colocated test after an in-process job on the same worker."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    from trl_dppo.jobs.script_utils import _close_process_group
+
+    # as an engine sets them up (kept as they are if this process's earlier engines did)
+    with set_current_vllm_config(VllmConfig()):
+        parallel_state.init_distributed_environment(1, 0, f"file://{tmp_path / 'init'}", 0, "gloo")
+        parallel_state.ensure_model_parallel_initialized(1, 1)
+    _close_process_group()
+    assert parallel_state._WORLD is None and not parallel_state.model_parallel_is_initialized()
+    assert not torch.distributed.is_initialized()

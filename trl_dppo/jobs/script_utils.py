@@ -234,7 +234,15 @@ def _close_process_group() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         gc.collect()  # the finished trainer's DDP wrapper holds the group too: freed now, the group ends with this call
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        # A colocated vLLM engine keeps its groups over this one in vLLM's module state, which outlives it: left there,
+        # the next engine built in this process takes them as set up and fails on the destroyed group ("not
+        # initialized in the world group map"). vLLM's own teardown ends them, and torch's group with them
+        vllm_groups = sys.modules.get("vllm.distributed.parallel_state")
+        if vllm_groups is not None:
+            vllm_groups.destroy_model_parallel()
+            vllm_groups.destroy_distributed_environment()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def run_job(main: Callable[..., Any], parser: Any, defaults: Mapping[str, Any], argv: Sequence[str] | None = None):
