@@ -29,6 +29,7 @@ import trl_dppo.trainer
 from trl_dppo import DPPOConfig, DPPOTrainer
 from trl_dppo.jobs.default_model import smollm2_tokenizer
 
+from .eager_engines import eager_engines
 from .process_bounds import (  # noqa: F401 (the plugin's hooks and fixture, found here by pytest)
     _processes_end_with_their_test,
     kill_tree_of,
@@ -64,6 +65,17 @@ MODULE_ORDER = [
 def pytest_collection_modifyitems(config, items):
     rank = {name: position for position, name in enumerate(MODULE_ORDER)}
     items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(rank)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_modules_build_eager_engines(request):
+    """A module marked `vllm` builds its colocated engines eagerly unless it says otherwise (tests/eager_engines.py);
+    any other module imports no vLLM for it."""
+    if request.node.get_closest_marker("vllm") is None:
+        yield
+        return
+    with eager_engines():
+        yield
 
 
 # One ulp of 1.0 in float32 (2**-23); an ulp of x is at most EPS32 * |x|

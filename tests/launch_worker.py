@@ -32,6 +32,7 @@ from datasets import Dataset
 from peft import LoraConfig
 from transformers import TrainerCallback, set_seed
 
+from tests.eager_engines import eager_engines
 from trl_dppo import DPPOConfig, DPPOTrainer
 from trl_dppo.jobs.default_model import smollm2_tokenizer
 
@@ -309,14 +310,16 @@ def main(spec_file: str, out_file: str) -> None:
         with open(f"{out_file}.rank{rank}", "w") as f:
             f.write(start_error(spec["expect_error"], spec, out_file))
         return
-    results = {name: train(name, settings, spec, out_file) for name, settings in spec["runs"].items()}
+    colocated = any(settings.get("vllm_mode") == "colocate" for settings in spec["runs"].values())
+    # tests/eager_engines.py; a replay builds no engine (and runs without vLLM: tests/without_vllm.py)
+    with eager_engines() if colocated and not spec.get("replay") else contextlib.nullcontext():
+        results = {name: train(name, settings, spec, out_file) for name, settings in spec["runs"].items()}
     # Runs refused at start, beside the trained ones in the same launch: each process's error
     refused = {} if spec.get("replay") else spec.get("refused", {})
     refused = {name: start_error(settings, spec, out_file) for name, settings in refused.items()}
     results.update({name: {"errors": gather_object([error])} for name, error in refused.items()})
     if rank == 0:
         torch.save(results, out_file)
-    colocated = any(settings.get("vllm_mode") == "colocate" for settings in spec["runs"].values())
     # else gloo can abort at exit after a good run (pytorch/pytorch#190489); a colocated vLLM engine destroys the
     # process group itself when it shuts down at exit, and fails if it is gone already
     if torch.distributed.is_initialized() and not colocated:

