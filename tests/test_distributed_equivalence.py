@@ -26,7 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_dppo import DPPOConfig, DPPOTrainer
 
-from .conftest import assert_updates_agree, launch
+from .conftest import TORCH_DISTRIBUTED_ENV, assert_updates_agree, launch
 from .equivalence_worker import CONFIGS, TOPK, WORLD_ROWS
 
 
@@ -133,6 +133,11 @@ def test_two_processes_make_the_same_update_and_log_the_same_metrics_as_one(runs
 
 def test_processes_that_would_each_train_alone_are_refused(monkeypatch, tmp_path, tiny_model_dir, prompts, tokenizer):
     """A launcher started 2 processes, but without `use_cpu=True` accelerate finds no backend on a CPU machine."""
+    # WORLD_SIZE alone: a colocated engine built earlier in this process leaves TRL's rendezvous variables (RANK,
+    # LOCAL_RANK, MASTER_ADDR, MASTER_PORT), with which accelerate starts a process group of 2 and waits for the second
+    # process in C++, where no test bound reaches (seen on two workers after tests/test_vllm.py)
+    for key in TORCH_DISTRIBUTED_ENV:
+        monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
     args = DPPOConfig(
         output_dir=str(tmp_path), report_to="none", bf16=False, per_device_train_batch_size=4, num_generations=4
