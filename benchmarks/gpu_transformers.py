@@ -34,7 +34,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 ALIGNED = 1e-3  # fp32 sampler against the fp32 trainer: |pi - mu| and kept-set log-prob gaps (expected ~1e-5)
 PEAKED = 0.3  # mean probability of the likeliest next token, below which a misaligned mu would hardly show
-RECORDER_CLAIM = 0.05  # issue 13: the recorder adds at most 5% to generate() at batch 64 x 256 on SmolLM2-135M
+RECORDER_CLAIM = 0.05  # the target: the recorder adds at most 5% to generate() at batch 64 x 256 on SmolLM2-135M
 
 
 def versions() -> dict:
@@ -332,7 +332,7 @@ def write_recorder(result: dict, out: Path, smoke: bool) -> None:
         "",
         "SmolLM2-135M's shape (random weights), prompts of 16 random tokens, fixed-length sampling at T = 1, "
         "variants interleaved after a warm-up, CUDA synchronised around each call; the recorder's `finish` (records "
-        f"to the CPU) is inside the timing. Issue 13's target: {result['claim']}.",
+        f"to the CPU) is inside the timing. The target: {result['claim']}.",
         "",
         "| dtype | batch x new tokens | variant | median s | spread s | trials (s) | overhead |",
         "|---|---|---|---:|---:|---|---:|",

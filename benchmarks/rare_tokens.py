@@ -46,7 +46,7 @@ METHODS: dict[str, list[str]] = {
     "relaxed_clip": [
         "--trust_region", "relaxed_clip", "--epsilon", "0.2", "--epsilon_high", "0.28", "--trust_region_kwargs", '{"alpha": 0.1}',
     ],
-    "dppo_tv": ["--trust_region", "dppo", "--divergence", "binary_tv", "--delta", "0.15"],
+    "dppo_tv": ["--trust_region", "dppo", "--divergence", "binary_tv", "--divergence_delta", "0.15"],
 }  # fmt: skip
 COMMON = [
     "--task", "rare_tokens", "--steps_per_generation", "4", "--learning_rate", "5e-4", "--max_completion_length", "16",

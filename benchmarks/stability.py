@@ -51,7 +51,7 @@ METHODS: dict[str, list[str]] = {
     "dppo_tv": ["--trust_region", "dppo", "--divergence", "binary_tv", "--divergence_delta", "0.15"],
     "dppo_kl": ["--trust_region", "dppo", "--divergence", "binary_kl", "--divergence_delta", "0.05"],
     "drpo": ["--trust_region", "drpo", "--divergence", "binary_tv", "--divergence_delta", "0.15"],
-    # After the paper (issue 35): CPPO's position-weighted, prefix-budgeted DPPO mask (w_min 0.8, delta_b 0.02 with
+    # After the paper: CPPO's position-weighted, prefix-budgeted DPPO mask (w_min 0.8, delta_b 0.02 with
     # the per-completion P90 budget), prime-rl's symmetric IPO mask (eps 0.3), and DPPO with a geometric sequence mask
     # (a completion whose mean log-ratio to the sampler leaves [log 0.99, log 1.01] is dropped)
     "cppo": ["--trust_region", "cppo", "--divergence", "binary_tv", "--divergence_delta", "0.15"],

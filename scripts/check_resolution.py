@@ -3,7 +3,7 @@
 Each check is pip's resolver on PyPI's metadata (`pip install --dry-run --ignore-installed --report`). pip reads each
 wheel's metadata by HTTP range requests (`--use-feature=fast-deps`): where the index serves no separate metadata file
 (PEP 658), as the mirror these machines and CI use, a plain dry run downloads every wheel it resolves, a CUDA torch
-stack about 3 GB per check, and at stop 59 those downloads filled CI's disk and failed this stage. A user stack is pinned exactly next to the wheel: it
+stack about 3 GB per check, enough to fill CI's disk. A user stack is pinned exactly next to the wheel: it
 resolves only if the wheel's ranges accept every one of its versions, i.e. installing the wheel into that environment
 changes none of them. pip reads PyPI alone, as on a user's machine: this machine's pip configuration (a local
 wheel of the CPU torch, a constraint capping torch at 2.14.1) is left out. A vLLM check asks for the wheel's `[vllm]` extra with one vLLM minor release and records the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The wheel installed as users install it (CI stage 3, before any test-only package is installed anywhere): a fresh
+# The wheel installed as users install it (CI stage 4, before any test-only package is installed anywhere): a fresh
 # $VENV (default .venv-wheel) with the CPU torch and the wheel alone, no extra. There, from outside the repository,
 # `trl-dppo --help` runs and scripts/wheel_smoke.py imports every public name and trains DPPOTrainer two steps on
 # transformers generation. Then each extra alone on top of that, its new packages removed again after its check:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import math
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -35,9 +37,15 @@ from .process_bounds import (  # noqa: F401 (the plugin's hooks and fixture, fou
     kill_tree_of,
     new_scope,
     processes_in,
+    pytest_addoption,
     pytest_configure,
+    pytest_configure_node,
+    pytest_handlecrashitem,
+    pytest_runtest_protocol,
     pytest_sessionfinish,
     pytest_terminal_summary,
+    pytest_testnodedown,
+    pytest_unconfigure,
     python_stacks,
     run_bounded,
     scopes_of,
@@ -69,13 +77,31 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="module", autouse=True)
 def _vllm_modules_build_eager_engines(request):
-    """A module marked `vllm` builds its colocated engines eagerly unless it says otherwise (tests/eager_engines.py);
-    any other module imports no vLLM for it."""
+    """A module marked `vllm` builds its colocated engines eagerly unless it says otherwise (tests/eager_engines.py),
+    and leaves torch.distributed's variables as it found them (`rendezvous_variables_restored`); any other module
+    imports no vLLM for it."""
     if request.node.get_closest_marker("vllm") is None:
         yield
         return
-    with eager_engines():
+    with rendezvous_variables_restored(), eager_engines():
         yield
+
+
+@contextlib.contextmanager
+def rendezvous_variables_restored() -> Iterator[None]:
+    """torch.distributed's variables (`TORCH_DISTRIBUTED_ENV`) in os.environ as they were on entry, once out: the values
+    put back, those absent then removed. TRL's colocated engine sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT in the process that builds it; left there, a later module's trainer in the same pytest process would
+    start a process group of their WORLD_SIZE and wait in C for processes that never come."""
+    before = {name: os.environ.get(name) for name in TORCH_DISTRIBUTED_ENV}
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 # One ulp of 1.0 in float32 (2**-23); an ulp of x is at most EPS32 * |x|

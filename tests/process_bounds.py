@@ -10,11 +10,19 @@ is still alive has its Python stacks dumped (py-spy) and is killed; at the end o
 scope still alive is killed too, and the run fails naming every process it had to kill.
 
 Time bounds are pytest-timeout's (`timeout` in pyproject.toml, `@pytest.mark.timeout(S)` per test): on expiry it dumps
-the stacks of the pytest process's threads and fails the test, whose teardown then ends its processes.
+the stacks of the pytest process's threads and fails the test, whose teardown then ends its processes. Its SIGALRM acts
+only once the main thread runs Python again: a test blocked in a C call that never returns (torch's TCPStore waiting
+for a key nobody sets, a collective without its peers) would hang past it. Behind it, the backstop: a test still
+running `timeout_backstop_margin` seconds past its bound has every thread's stack dumped by faulthandler, whose
+watchdog is a C thread, and its process exits. Under pytest-xdist the controller then reports the test failed with
+those stacks, kills every process the dead worker had started, and has the test skipped where xdist hands it out
+again; xdist starts a new worker and the run goes on. In one process (`-n 0`) the run ends there, the stacks on
+stderr.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import os
 import shutil
@@ -30,6 +38,7 @@ from multiprocessing import resource_tracker
 from pathlib import Path
 
 import pytest
+import pytest_timeout
 
 
 SCOPES_VARIABLE = "TRL_DPPO_TEST_SCOPES"
@@ -196,8 +205,18 @@ _run_scope: list[str] = []
 
 def pytest_configure(config):
     if not hasattr(config, "workerinput") and getattr(config.option, "dist", "no") != "no":
-        return  # pytest-xdist's controller runs no test; each worker it starts keeps its own run scope
-    scope = new_scope("run")
+        # pytest-xdist's controller runs no test; each worker it starts has a run scope of its own (`workerinput`)
+        _controller["folder"] = tempfile.mkdtemp(prefix="trl-dppo-backstop-")
+        _controller["margin"] = config.getini(BACKSTOP_MARGIN)
+        return
+    shared = getattr(config, "workerinput", {}).get(_WORKER_INPUT)
+    if shared:  # a pytest-xdist worker: the backstop writes where the controller reads
+        _backstop["folder"] = Path(shared["folder"])
+        stacks = _backstop["folder"] / f"{config.workerinput['workerid']}.stacks"
+        _backstop["file"] = os.open(stacks, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    else:  # stderr as it is before any test's output is captured (into a file nobody reads once the process exited)
+        _backstop["file"] = os.dup(2)
+    scope = shared["run_scope"] if shared else new_scope("run")
     os.environ[SCOPES_VARIABLE] = with_scope(dict(os.environ), scope)[SCOPES_VARIABLE]
     _run_scope.append(scope)
     # multiprocessing's resource tracker serves this interpreter until it exits, whichever test first needed it (mp.spawn,
@@ -234,3 +253,98 @@ def pytest_terminal_summary(terminalreporter):
         for where, pid, command in _leftovers.killed:
             terminalreporter.line(f"{where}: process {pid} ({command[:300]})")
         terminalreporter.line("The run fails: every process a test starts must end with it.")
+
+
+# The backstop behind pytest-timeout's bound
+
+
+BACKSTOP_MARGIN = "timeout_backstop_margin"
+# What pytest-xdist's controller gives each worker it starts, in `workerinput`: the worker's run scope, and the folder
+# the controller shares with its workers (each worker's stacks, the tests not to run again)
+_WORKER_INPUT = "trl_dppo_process_bounds"
+_backstop: dict = {}  # "file": where the backstop writes the stacks; "folder": in a worker, the controller's
+_controller: dict = {}  # in pytest-xdist's controller: "folder", "margin", and what each dead worker left, by its id
+
+
+def pytest_addoption(parser):
+    parser.addini(
+        BACKSTOP_MARGIN,
+        "seconds past a test's pytest-timeout bound after which its process dumps every thread's stack and exits, for "
+        "a test blocked where the bound's signal never acts (tests/process_bounds.py); 0: no backstop",
+        default="120",
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Past the test's bound and the margin, from its start (set-up, call and teardown, as pytest-timeout counts),
+    every thread's stack and the process's exit: faulthandler's watchdog is a C thread, which runs wherever the main
+    thread waits. A test whose worker died while it ran is skipped if xdist hands it out again."""
+    if "folder" in _backstop and item.nodeid in _lines_of(_backstop["folder"] / "crashed"):
+        item.add_marker(pytest.mark.skip(reason="its worker died while it ran (its failure says where it waited)"))
+        return (yield)
+    if "file" not in _backstop or not item.config.pluginmanager.hasplugin("timeout"):
+        return (yield)
+    bound = pytest_timeout._get_item_settings(item).timeout  # the test's own mark, else the configured bound
+    margin = float(item.config.getini(BACKSTOP_MARGIN))
+    if not bound or not margin:
+        return (yield)
+    faulthandler.dump_traceback_later(bound + margin, exit=True, file=_backstop["file"])
+    try:
+        return (yield)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _lines_of(path: Path) -> list[str]:
+    return path.read_text(errors="replace").splitlines() if path.is_file() else []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist's controller, for each worker it starts (a replacement too): the worker's run scope, so that the
+    controller can end its processes if it dies, and the shared folder."""
+    node.workerinput[_WORKER_INPUT] = {"run_scope": new_scope("run"), "folder": _controller["folder"]}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """A worker died (the backstop, or a crash): every process it had started is killed after its stacks are read,
+    since no teardown of the worker's will run."""
+    shared = getattr(node, "workerinput", {}).get(_WORKER_INPUT)
+    if error is None or not shared:
+        return
+    deadline = time.monotonic() + 2  # what ends by itself once its worker is gone (multiprocessing's resource tracker)
+    while (left := processes_in(shared["run_scope"])) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not left:
+        return
+    stacks = python_stacks(left)
+    killed = end_scope(shared["run_scope"])
+    _leftovers.record(f"worker {node.gateway.id}, which died", killed)
+    _controller[node.gateway.id] = f"The processes its worker had started, now killed:\n{describe(killed)}\n{stacks}"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    """The test a worker died in fails with the stacks the backstop wrote, and is not run again: xdist hands what its
+    worker had left to run to another (with `--dist loadscope`, the rest of its module, the test included)."""
+    folder, worker = Path(_controller["folder"]), report.node.gateway.id
+    stacks = "\n".join(_lines_of(folder / f"{worker}.stacks"))
+    if stacks:
+        report.longrepr = (
+            f"{report.longrepr}: still running {_controller['margin']} s past its time bound, where the bound's signal "
+            f"did not act (a C call that never returns); every thread's stack, written by the backstop as it ended the "
+            f"worker:\n{stacks}"
+        )
+    if worker in _controller:
+        report.longrepr = f"{report.longrepr}\n{_controller.pop(worker)}"
+    with open(folder / "crashed", "a") as crashed:
+        crashed.write(crashitem + "\n")
+
+
+def pytest_unconfigure(config):
+    if "folder" in _controller:
+        shutil.rmtree(_controller["folder"], ignore_errors=True)
+    if "file" in _backstop:
+        os.close(_backstop.pop("file"))

@@ -151,8 +151,6 @@ def test_flags_that_are_gone_name_what_to_write_instead(tmp_path):
     config.write_text("clip_ratio_c: 20.0\n")
     with pytest.raises(ValueError, match="--divergence_type is now --divergence"):
         main(["math", "--divergence_type", "binary_kl"])
-    with pytest.raises(ValueError, match="--topk is now --divergence_topk"):
-        main(["math", "--topk", "5"])
     with pytest.raises(ValueError, match='--clip_ratio_c is now --trust_region_kwargs {"ratio_cap": C}'):
         main(["math", "--config", str(config)])
 

@@ -18,6 +18,7 @@ by equal per-process sequence counts, so both are.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_dppo import DPPOConfig, DPPOTrainer
 
-from .conftest import TORCH_DISTRIBUTED_ENV, assert_updates_agree, launch
+from .conftest import TORCH_DISTRIBUTED_ENV, assert_updates_agree, launch, rendezvous_variables_restored
 from .equivalence_worker import CONFIGS, TOPK, WORLD_ROWS
 
 
@@ -133,11 +134,10 @@ def test_two_processes_make_the_same_update_and_log_the_same_metrics_as_one(runs
 
 def test_processes_that_would_each_train_alone_are_refused(monkeypatch, tmp_path, tiny_model_dir, prompts, tokenizer):
     """A launcher started 2 processes, but without `use_cpu=True` accelerate finds no backend on a CPU machine."""
-    # WORLD_SIZE alone: a colocated engine built earlier in this process leaves TRL's rendezvous variables (RANK,
-    # LOCAL_RANK, MASTER_ADDR, MASTER_PORT), with which accelerate starts a process group of 2 and waits for the second
-    # process in C++, where no test bound reaches (seen on two workers after tests/test_vllm.py)
-    for key in TORCH_DISTRIBUTED_ENV:
-        monkeypatch.delenv(key, raising=False)
+    # WORLD_SIZE alone: with TRL's rendezvous variables beside it (RANK, MASTER_ADDR, MASTER_PORT), accelerate would start
+    # a process group of 2 and wait for the second process in C++. The colocated engines of the modules marked `vllm`
+    # set those in this process, and each such module's fixture puts them back as it found them, here absent
+    # (`conftest.rendezvous_variables_restored`)
     monkeypatch.setenv("WORLD_SIZE", "2")
     args = DPPOConfig(
         output_dir=str(tmp_path), report_to="none", bf16=False, per_device_train_batch_size=4, num_generations=4
@@ -145,3 +145,17 @@ def test_processes_that_would_each_train_alone_are_refused(monkeypatch, tmp_path
     assert args.world_size == 1
     with pytest.raises(RuntimeError, match="use_cpu=True"):
         DPPOTrainer(tiny_model_dir, reward_funcs=[], args=args, train_dataset=prompts, processing_class=tokenizer)
+
+
+def test_the_rendezvous_variables_a_colocated_engine_sets_are_put_back_as_they_were(monkeypatch):
+    """What the vLLM modules' fixture does at each module's end: a variable set before gets its value back, one absent
+    before is removed, whatever a colocated engine set meanwhile."""
+    for name in TORCH_DISTRIBUTED_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    engines_set = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+    with rendezvous_variables_restored():
+        for name, value in engines_set.items():
+            monkeypatch.setenv(name, value)
+    after = {name: os.environ.get(name) for name in TORCH_DISTRIBUTED_ENV}
+    assert after == {**dict.fromkeys(TORCH_DISTRIBUTED_ENV), "MASTER_ADDR": "10.0.0.1"}

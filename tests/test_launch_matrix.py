@@ -15,7 +15,7 @@ import torch
 from .conftest import assert_updates_agree, tiny_model_logprob_atol, two_processes_then_one
 
 
-# Also on the newest and oldest stacks (.ci/run's stage 3): the one launch there
+# Also on the newest and oldest stacks (.ci/run's stage 4): the one launch there
 pytestmark = [pytest.mark.slow, pytest.mark.launch, pytest.mark.ranges]
 
 RUNS = {

@@ -79,14 +79,11 @@ def test_names_that_are_gone_raise_an_error_naming_what_to_write_instead(tmp_pat
         DPPOConfig(output_dir=str(tmp_path), **{old: 1.0}, **COMMON)
 
 
-def test_the_removed_names_cover_experimental_dppos_fields_and_trl_dppo_01s():
+def test_the_removed_names_are_experimental_dppos_fields():
     """trl.experimental.dppo's DPPOConfig (TRL 1.0-1.8) added `divergence_type`, `divergence_topk` and `clip_ratio_c`
     to GRPOConfig (epsilon / epsilon_high were reused as the thresholds); `divergence_topk` keeps its name and meaning
-    here. trl-dppo 0.1's `topk`, `ratio_cap`, `negative_mask_threshold` and `relaxed_clip_below` moved; its `delta`
-    is GRPOConfig's again (tested in test_config)."""
-    assert set(REMOVED_NAMES) == {
-        "divergence_type", "clip_ratio_c", "topk", "ratio_cap", "negative_mask_threshold", "relaxed_clip_below"
-    }  # fmt: skip
+    here, the other two are refused."""
+    assert set(REMOVED_NAMES) == {"divergence_type", "clip_ratio_c"}
     assert "divergence_topk" in DPPOConfig.__dataclass_fields__
 
 

@@ -120,3 +120,65 @@ def test_every_process_a_test_starts_carries_the_tests_scope(tmp_path):
         child.kill()
         child.wait()
     assert child.pid not in processes_in(test_scope)
+
+
+def test_a_test_blocked_in_a_c_call_past_its_bound_fails_with_every_threads_stack_and_the_run_goes_on(tmp_path):
+    """A test waiting in torch's TCPStore for a key nobody sets never returns to the interpreter, so its bound's signal
+    never acts: at its own bound (its mark, 2 s, not the run's 60) plus the margin the backstop ends its pytest-xdist
+    worker with every thread's stack; the controller reports the test failed with them and kills the process it had
+    started, and on a new worker the module's next test runs while the blocked one is not run again (xdist's
+    `--dist loadscope` hands it out with the rest of its module: it would end every new worker in turn)."""
+    pid_file = tmp_path / "child.pid"
+    started = time.monotonic()
+    done = run_pytest(
+        tmp_path,
+        f"""
+        import datetime, subprocess, threading, time
+        import pytest
+        from torch.distributed import TCPStore  # imported at collection, before the bound starts
+
+        def a_thread_beside_it():
+            time.sleep(600)
+
+        @pytest.mark.timeout(2)
+        def test_blocked_in_c():
+            threading.Thread(target=a_thread_beside_it, daemon=True).start()
+            child = subprocess.Popen(["sleep", "603"], start_new_session=True)
+            open({str(pid_file)!r}, "w").write(str(child.pid))
+            store = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=600))
+            store.wait(["a key nobody sets"])
+
+        def test_after_it():
+            pass
+        """,
+        *("-n", "2", "--dist", "loadscope", "-rA", "-o", "timeout=60", "-o", "timeout_backstop_margin=2"),
+    )
+    elapsed = time.monotonic() - started
+    assert done.returncode == pytest.ExitCode.TESTS_FAILED, done.stdout
+    assert "1 failed, 1 passed, 1 skipped" in done.stdout, done.stdout
+    assert "crashed while running 'test_subject.py::test_blocked_in_c': still running 2 s past" in done.stdout
+    assert "Timeout (0:00:04)!" in done.stdout, done.stdout  # the mark's 2 s and the margin's 2
+    assert "in test_blocked_in_c" in done.stdout and "in a_thread_beside_it" in done.stdout, done.stdout
+    assert "PASSED test_subject.py::test_after_it" in done.stdout, done.stdout
+    assert "SKIPPED" in done.stdout and "its worker died while it ran" in done.stdout, done.stdout
+    assert "processes left alive, killed" in done.stdout and "sleep 603" in done.stdout, done.stdout
+    assert not alive(int(pid_file.read_text()))
+    assert 4 < elapsed < 60, elapsed  # and torch's import and three workers' starts, a few seconds each on 2 cores
+
+
+def test_in_one_process_the_backstop_ends_the_run_with_every_threads_stack_on_stderr(tmp_path):
+    """Without pytest-xdist the backstop's exit ends the run: every thread's stack is on the terminal's stderr, not in
+    the test's captured output, which nobody reads once the process is gone."""
+    done = run_pytest(
+        tmp_path,
+        """
+        import ctypes, signal
+
+        def test_blocked_in_c():
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # the bound's signal never reaches it
+            ctypes.CDLL(None).pause()
+        """,
+        *("-n", "0", "-o", "timeout=1", "-o", "timeout_backstop_margin=1"),
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Timeout (0:00:02)!" in done.stderr and "in test_blocked_in_c" in done.stderr, done.stderr

@@ -186,6 +186,40 @@ def test_vllm_binary_output_passes_through_untouched():
         record_vllm_logprobs(lambda: ([[1]], [[5]], None, None), topk=0)()
 
 
+def test_vllm_binary_output_with_ranked_entries_takes_the_sampled_tokens_by_id():
+    """Asked for logprobs=N, vLLM lists N or N + 1 entries per token by rank, the most likely first: the sampled token's
+    entry is found by its id and moved to slot 0, which GRPOTrainer keeps."""
+    ids = [[[7, 5], [6, 9, 8]], [[4]]]  # 5 ranks 2nd; 8 is outside the top 2 (listed last); 4 is the most likely
+    logps = [[[-0.2, -1.9], [-0.1, -2.5, -4.0]], [[-0.3]]]
+    output = ([[1], [2]], [[5, 8], [4]], logps, ids)
+    _, _, entries, entry_ids = record_vllm_logprobs(lambda: output, topk=0)()
+    assert [[lp[0] for lp in seq] for seq in entries] == [[-1.9, -4.0], [-0.3]]
+    assert [[t[0] for t in seq] for seq in entry_ids] == [[5, 8], [4]]
+    missing = ([[1]], [[5]], [[[-0.2]]], [[[7]]])
+    with pytest.raises(RuntimeError, match="no log-probability for the sampled token 5 at position 0 of completion 0"):
+        record_vllm_logprobs(lambda: missing, topk=0)()
+
+
+def test_vllm_flat_records_take_the_sampled_tokens_entry_only_where_vllm_put_it():
+    """vLLM's flat log-probabilities list, per token, the sampled token's entry and then the top K: an entry whose id
+    is not the sampled token's stops the call rather than becoming mu."""
+    from types import SimpleNamespace
+
+    from trl_dppo.rollout import _flat_kept_sets
+
+    def output(tokens, flat_ids, flat_logps):
+        return SimpleNamespace(token_ids=tokens, logprobs=SimpleNamespace(token_ids=flat_ids, logprobs=flat_logps))
+
+    good = output([5, 7], [5, 5, 7, 3], [-0.1, -0.1, -2.0, -0.5])  # K = 1: 5 is its own top 1; 7 is outside it
+    sampled, kept_ids, _ = _flat_kept_sets([good], topk=1)
+    assert sampled.tolist() == pytest.approx([-0.1, -2.0]) and kept_ids.tolist() == [[5, VOID_ID], [3, 7]]
+    ranked = output([5, 7], [5, 5, 3, 7], [-0.1, -0.1, -0.5, -2.0])  # the second token's top 1 listed first
+    with pytest.raises(
+        RuntimeError, match="list token 3 first at the 1-th token of the call, whose sampled token is 7"
+    ):
+        _flat_kept_sets([ranked], topk=1)
+
+
 def test_transformers_binary_records_are_plain_floats_without_rows(model_and_prompt):
     model, prompt = model_and_prompt
     torch.manual_seed(0)

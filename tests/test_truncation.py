@@ -79,7 +79,7 @@ def test_vllm_refuses_truncated_or_penalised_sampling_unless_opted_in(tmp_path, 
 
 
 def test_vllm_accepts_generation_kwargs_that_leave_the_distribution_alone(tmp_path):
-    neutral = {"seed": 1, "stop": ["\n"], "max_tokens": 8}
+    neutral = {"stop": ["\n"], "ignore_eos": False, "skip_special_tokens": True}
     config = DPPOConfig(output_dir=str(tmp_path), bf16=False, use_vllm=True, generation_kwargs=neutral)
     assert config.generation_kwargs == neutral and not config.vllm_allow_truncated_sampling
 

@@ -13,6 +13,7 @@ from typing import Any
 from trl import GRPOConfig
 
 from .corrections import CORRECTIONS, Correction, resolve_corrections
+from .options import SAMPLING_PARAMS_OPTIONS
 from .trust_regions import SHARED_SETTINGS, TRUST_REGIONS, get_trust_region
 from .weight_sync import WEIGHT_SYNC_CHECKS, refuse_unknown_weight_sync_check
 
@@ -25,34 +26,23 @@ __all__ = [
     "REMOVED_NAMES",
     "STOP_ON_NON_FINITE_HELP",
     "TrustRegionArguments",
+    "refuse_vllm_generation_kwargs",
     "refuse_vllm_truncated_sampling",
 ]
 
 DIVERGENCES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl")
 # The paper's stability-test thresholds; its large runs used 0.2 for TV.
 DEFAULT_DELTA = {"tv": 0.15, "kl": 0.05}
-# vLLM SamplingParams keys (through `generation_kwargs`) that leave the sampling distribution as it is
-VLLM_DISTRIBUTION_NEUTRAL_KWARGS = (
-    "max_tokens",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "detokenize",
-    "truncate_prompt_tokens",
-    "output_kind",
-)
+# vLLM raises a lower positive temperature to this one (`_MAX_TEMP` in vllm/sampling_params.py)
+VLLM_MIN_TEMPERATURE = 0.01
 # GRPOConfig's `disable_dropout`, on by default for DPPO (`benchmarks/results/dropout_gap/`)
 DISABLE_DROPOUT_HELP = (
     "Set the p of every torch.nn.Dropout of the model (LoRA's lora_dropout included) to 0, as GRPOConfig's "
-    "disable_dropout does, but on by default (GRPOConfig: off): the sampler generates without dropout, so with dropout "
-    "in the training forward pi and mu are different functions and the noise enters the divergence and pi/mu "
-    "directly. Measured at sync (before any update, fp32): LoRA dropout 0.1 on SmolLM2-135M moves max |pi - mu| from "
-    "9e-6 to 1.6e-2 within 4 steps, growing with the adapter (0.1 on a tiny peaked model). Dropout a model applies outside nn.Dropout modules "
-    "(Llama's attention_dropout) is not reached by this: the trainer refuses it unless disable_dropout=False."
+    "disable_dropout does, but on by default (GRPOConfig: off): the sampler generates without dropout, so dropout in "
+    "the training forward makes pi and mu different functions and its noise enters the divergence and pi/mu "
+    "directly. Set False only to keep the model's dropout on purpose (the trainer then warns). Dropout a model applies "
+    "outside nn.Dropout modules (Llama's attention_dropout) is not reached by this: the trainer refuses it unless "
+    "disable_dropout=False; load the model with attention_dropout=0.0."
 )
 # DPPOConfig's and AsyncDPPOConfig's `stop_on_non_finite` (trl_dppo/non_finite.py)
 STOP_ON_NON_FINITE_HELP = (
@@ -67,17 +57,12 @@ STOP_ON_NON_FINITE_HELP = (
 )
 # Loss types whose only role is normalisation: GRPOTrainer's `cispo`, `sapo` and `vespo` are trust regions of their own.
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-# Names DPPOConfig no longer takes -> what to write instead: trl.experimental.dppo's DPPOConfig (TRL 1.0-1.8), and
-# trl-dppo 0.1's fields that were renamed or became settings of their trust region. (trl.experimental.dppo's
-# `divergence_topk` is this config's field of the same name and meaning; its `epsilon` / `epsilon_high` were the
+# Fields of trl.experimental.dppo's DPPOConfig (TRL 1.0-1.8) that DPPOConfig does not take -> what to write instead.
+# (Its `divergence_topk` is this config's field of the same name and meaning; its `epsilon` / `epsilon_high` were the
 # thresholds delta_low / delta_high, and keep GRPOConfig's meaning here: PPO's ratio clip.)
 REMOVED_NAMES = {
     "divergence_type": "divergence",
     "clip_ratio_c": 'trust_region_kwargs {"ratio_cap": C} (the paper\'s DPPO has no cap)',
-    "topk": "divergence_topk",
-    "ratio_cap": 'trust_region_kwargs {"ratio_cap": C} (the paper\'s DPPO has no cap)',
-    "negative_mask_threshold": 'trust_region_kwargs {"drop": ...} (trust_region="negative_mask")',
-    "relaxed_clip_below": 'trust_region_kwargs {"alpha": ...} (trust_region="relaxed_clip")',
 }
 
 
@@ -162,7 +147,7 @@ class TrustRegionArguments:
     )
 
     def __new__(cls, *args, **kwargs):
-        # The dataclass __init__ would fail on an old name with a bare "unexpected keyword" TypeError
+        # The dataclass __init__ would fail on trl.experimental.dppo's names with a bare "unexpected keyword" TypeError
         removed = [f"`{old}` is now `{REMOVED_NAMES[old]}`" for old in kwargs if old in REMOVED_NAMES]
         if removed:
             raise TypeError(
@@ -201,6 +186,24 @@ class TrustRegionArguments:
 
     def _resolve_trust_region(self) -> None:
         """Fill the thresholds' defaults and refuse values the trust region cannot work with."""
+        if not self.temperature > 0:
+            raise ValueError(
+                f"temperature={self.temperature}: DPPO needs the probability each token was sampled with, and the "
+                "trainer's pi divides the logits by the temperature. Set a temperature > 0 (1.0 samples the model's "
+                "own distribution)."
+            )
+        if getattr(self, "use_vllm", True) and self.temperature < VLLM_MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature={self.temperature} with vLLM generation: vLLM samples at {VLLM_MIN_TEMPERATURE} "
+                "whatever lower temperature it is given, while the trainer's pi divides by the one set, so mu and pi "
+                f"would be at different temperatures. Set temperature >= {VLLM_MIN_TEMPERATURE}."
+            )
+        if self.neftune_noise_alpha is not None:
+            raise ValueError(
+                f"neftune_noise_alpha={self.neftune_noise_alpha} adds noise to the embeddings in the training forward "
+                "and not in the sampler's, so pi would be another function than the mu it is compared with, and the "
+                "noise would enter the divergence and pi/mu directly. Set neftune_noise_alpha=None."
+            )
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}.")
         trust_region = get_trust_region(self.trust_region)
@@ -333,9 +336,9 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
     `vespo`), the off-policy sequence mask, and transformers' continuous-batching generation (it records no per-token
     log-probabilities). PPO's `epsilon` / `epsilon_high` are not DPPO's thresholds: they set the ratio clip of the
     trust regions that clip (`grpo`, `minirl`, `relaxed_clip`) and what the diagnostics count as PPO-clipped; set
-    elsewhere they warn, since `trl.experimental.dppo` used them as delta_low / delta_high. Names that are gone
-    (`REMOVED_NAMES`: trl.experimental.dppo's and trl-dppo 0.1's) raise an error naming what to write instead;
-    `from_grpo_config` converts a GRPOConfig.
+    elsewhere they warn, since `trl.experimental.dppo` used them as delta_low / delta_high. trl.experimental.dppo's
+    names that are gone (`REMOVED_NAMES`) raise an error naming what to write instead; `from_grpo_config` converts a
+    GRPOConfig.
 
     GRPOConfig's `disable_dropout` is on by default here (GRPOConfig: off): the sampler generates without dropout, so
     dropout in the training forward (LoRA's `lora_dropout` included) makes pi and mu different functions of the same
@@ -357,10 +360,12 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
     vllm_allow_truncated_sampling: bool = field(
         default=False,
         metadata={
-            "help": "Accept top_p < 1, top_k > 0, min_p > 0, repetition_penalty != 1 or distribution-changing "
-            "generation_kwargs with vLLM, although vLLM reports only the truncated (renormalised) mu: the divergence "
-            "then includes a spurious (1 - Z)/Z, logged as truncation/* on the first step after each generation. "
-            "Not needed with transformers generation, which records the untruncated mu."
+            "help": "Accept top_p < 1, top_k > 0, min_p > 0, repetition_penalty != 1 or the generation_kwargs keys "
+            "docs/options.md marks opt_in (penalties, logit bias, structured outputs, ...) with vLLM, although vLLM "
+            "reports only the truncated (renormalised) mu: the divergence then includes a spurious (1 - Z)/Z, logged "
+            "as truncation/* on the first step after each generation. Keys that change what vLLM reports rather than "
+            "what it samples (logprobs) stay refused. Not needed with transformers generation, which records the "
+            "untruncated mu."
         },
     )
     log_tokens_by_mu: bool = field(
@@ -456,8 +461,8 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
         if self.delta is not None:
             raise ValueError(
                 f"delta={self.delta} is GRPOConfig's two-sided ratio clip, which DPPO does not use. DPPO's divergence "
-                "threshold is `divergence_delta` (named `delta` in trl-dppo 0.1): set divergence_delta (or "
-                "delta_low / delta_high) and leave delta unset."
+                "threshold is `divergence_delta`: set divergence_delta (or delta_low / delta_high) and leave delta "
+                "unset."
             )
         if self.divergence.startswith("topk") and not (
             isinstance(self.divergence_topk, int) and self.divergence_topk >= 1
@@ -494,6 +499,12 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
                 f"loss_type={self.loss_type!r} is GRPOTrainer's loss with a trust region of its own, which cannot be "
                 f"combined with DPPO's. Use one of {SUPPORTED_LOSS_TYPES}, which only choose how the loss is "
                 f"normalised (default 'dapo').{cispo}"
+            )
+        if self.max_completion_length is None and self.loss_type == "dr_grpo":
+            raise ValueError(
+                "max_completion_length=None with loss_type='dr_grpo': Dr. GRPO divides each completion's loss by "
+                "max_completion_length, which must then be a number. Set max_completion_length (GRPOConfig's default "
+                "is 512), or another loss_type."
             )
         if self.off_policy_mask_threshold is not None:
             raise ValueError(
@@ -534,6 +545,8 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
                 "them from its Model Runner V2 only, which needs Triton). Use transformers generation "
                 "(use_vllm=False), or set use_rollout_routing_replay=False."
             )
+        if self.use_vllm:
+            refuse_vllm_generation_kwargs(self.generation_kwargs)
         if self.use_vllm and not self.vllm_allow_truncated_sampling:
             refuse_vllm_truncated_sampling(
                 self,
@@ -547,7 +560,9 @@ def refuse_vllm_truncated_sampling(config: Any, remedy: str) -> None:
 
     vLLM reports mu after truncation and penalties, which the trainer's pi = softmax(logits / T) lacks. `config` is a
     DPPOConfig or an AsyncDPPOConfig; options a config does not have (AsyncGRPOConfig has no `generation_kwargs` or
-    structured outputs) are not set. `remedy` ends the error with what to do instead.
+    structured outputs) are not set. The `generation_kwargs` keys are those `SAMPLING_PARAMS_OPTIONS` marks `opt_in`
+    (`refuse_vllm_generation_kwargs` refuses the others that DPPO cannot take). `remedy` ends the error with what to
+    do instead.
     """
     options = {
         "top_p": config.top_p is not None and config.top_p < 1.0,
@@ -556,11 +571,10 @@ def refuse_vllm_truncated_sampling(config: Any, remedy: str) -> None:
         "repetition_penalty": config.repetition_penalty is not None and config.repetition_penalty != 1.0,
         "vllm_structured_outputs_regex": getattr(config, "vllm_structured_outputs_regex", None) is not None,
     }
-    kwargs = getattr(config, "generation_kwargs", None) or {}
-    for key, value in kwargs.items():
+    for key, value in (getattr(config, "generation_kwargs", None) or {}).items():
         if key == "temperature":
             options["generation_kwargs['temperature']"] = value != config.temperature
-        elif key not in VLLM_DISTRIBUTION_NEUTRAL_KWARGS:
+        elif SAMPLING_PARAMS_OPTIONS[key].treatment == "opt_in":
             options[f"generation_kwargs[{key!r}]"] = True
     for name, changes_distribution in options.items():
         if changes_distribution:
@@ -569,3 +583,25 @@ def refuse_vllm_truncated_sampling(config: Any, remedy: str) -> None:
                 "processed (truncated, renormalised) log-probabilities, so mu would be compared with a pi that "
                 "has none of it (at top_p=0.8 truncation alone makes |mu - pi| reach 0.2 > delta). " + remedy
             )
+
+
+def refuse_vllm_generation_kwargs(generation_kwargs: dict[str, Any] | None) -> None:
+    """Refuse a `generation_kwargs` key vLLM's `SamplingParams` does not have, or one the option map refuses
+    (`options.SAMPLING_PARAMS_OPTIONS`), whatever `vllm_allow_truncated_sampling` says, with what the key does."""
+    for key in generation_kwargs or {}:
+        rule = SAMPLING_PARAMS_OPTIONS.get(key)
+        if rule is None:
+            raise ValueError(
+                f"generation_kwargs[{key!r}] is not a field of vLLM's SamplingParams, which the colocated engine builds "
+                "from generation_kwargs (and a server request follows): remove it. docs/options.md lists the fields "
+                "and what DPPO does with each."
+            )
+        if rule.treatment == "refused":
+            raise ValueError(f"generation_kwargs[{key!r}] with vLLM generation: {rule.reason}. Remove it.")
+    temperature = (generation_kwargs or {}).get("temperature")
+    if temperature is not None and not temperature >= VLLM_MIN_TEMPERATURE:
+        raise ValueError(
+            f"generation_kwargs['temperature']={temperature}: vLLM samples greedily below 1e-5 (and reports the "
+            f"log-probability of the untempered logits as mu) and at {VLLM_MIN_TEMPERATURE} below that. Remove it: "
+            "the trainer's temperature is the sampler's."
+        )

@@ -95,11 +95,15 @@ def check_prompts(columns: list[str] | None, rows: list[Any], trainer: str) -> N
 
 
 def check_prompt_lengths(
-    prompt_ids: list[list[int]], pad_token_id: int | None, max_positions: int | None, max_completion_length: int
+    prompt_ids: list[list[int]],
+    pad_token_id: int | None,
+    max_positions: int | None,
+    max_completion_length: int | None,
 ) -> None:
     """Refuse a prompt of padding alone, or one that fills the model's `max_positions` (no position left for a
-    completion); warn about one after which a completion of `max_completion_length` would run past them. The rows are
-    the dataset's first, tokenized as the trainer tokenizes them."""
+    completion); warn about one after which a completion of `max_completion_length` would run past them (`None`: the
+    generation config's `max_length` bounds prompt and completion together, and there is nothing to warn about). The
+    rows are the dataset's first, tokenized as the trainer tokenizes them."""
     warned = False
     for index, ids in enumerate(prompt_ids):
         if ids and pad_token_id is not None and all(token == pad_token_id for token in ids):
@@ -117,7 +121,7 @@ def check_prompt_lengths(
                 "past the positions the model was trained on without an error. Filter or shorten the long prompts, "
                 "e.g. dataset.filter(lambda row: len(tokenizer.apply_chat_template(row['prompt'])) < N)."
             )
-        if len(ids) + max_completion_length > max_positions and not warned:
+        if max_completion_length is not None and len(ids) + max_completion_length > max_positions and not warned:
             warnings.warn(
                 f"Row {index}'s prompt is {len(ids)} tokens: with max_completion_length={max_completion_length} a "
                 f"completion can run past the model's {max_positions} positions (max_position_embeddings), which "

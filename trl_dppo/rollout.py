@@ -41,6 +41,7 @@ __all__ = [
     "record_vllm_flat_logprobs",
     "record_vllm_logprobs",
     "replaced_attribute",
+    "sampled_entries_first_",
 ]
 
 # Generation-config fields that select a decoding method other than transformers' multinomial sampling (`_sample`)
@@ -352,6 +353,14 @@ def _flat_kept_sets(outputs: list, topk: int) -> tuple[np.ndarray, ...]:
         )
     ids = np.fromiter(chain(o.logprobs.token_ids for o in outputs), dtype=np.int32, count=total).reshape(n, -1)
     logps = np.fromiter(chain(o.logprobs.logprobs for o in outputs), dtype=np.float32, count=total).reshape(n, -1)
+    tokens = np.fromiter(chain(o.token_ids for o in outputs), dtype=np.int32, count=n)
+    if not np.array_equal(ids[:, 0], tokens):
+        position = int(np.flatnonzero(ids[:, 0] != tokens)[0])
+        raise RuntimeError(
+            f"vLLM's flat log-probabilities list token {ids[position, 0]} first at the {position}-th token of the "
+            f"call, whose sampled token is {tokens[position]}: they list the sampled token's entry first, so mu would "
+            "be read off another token's."
+        )
     kept_ids, kept_logps = np.roll(ids, -1, axis=1), np.roll(logps, -1, axis=1)  # the top K first
     # The sampled token's slot, by id: a token tied with the K-th can have rank K and still be outside the top K
     complete_kept_sets_(*map(torch.from_numpy, (kept_ids, kept_logps, ids[:, 0], logps[:, 0])))
@@ -379,14 +388,45 @@ def _store_vllm_records(
         yield from tagged_lists(sampled, lengths[start:end], first_row + start * shape[1])
 
 
-def record_vllm_logprobs(generate: Callable, topk: int = 0, records: Callable[[], SamplerRecords] | None = None):
-    """Wrap `VLLMGeneration.generate` so that entry 0 of each token's log-probabilities is the sampled token's.
+def sampled_entries_first_(completion_ids: list, logprobs: list, token_ids: list) -> None:
+    """Make entry 0 of each token's log-probabilities the sampled token's, found by its id, in place.
 
-    With `topk = 0` vLLM is asked for the sampled token's log-probability only (`logprobs=0`), or the records were
-    already taken from vLLM's own output (`record_vllm_flat_logprobs`, colocate): entry 0 is the sampled token's and
-    the output passes through untouched. With K > 0 (a vLLM server) vLLM lists each token's entries by rank and
-    GRPOTrainer keeps entry 0; the wrapper stores the kept sets in `records()` (the generation batch's store), laid out
-    like the padded batch, and puts the sampled token's log-probability, tagged with its row, in entry 0.
+    TRL lists each token's entries by rank and GRPOTrainer keeps entry 0 as the sampled token's log-probability; that
+    holds only when vLLM was asked for the sampled token's alone. Whatever vLLM listed, the entry whose id is the
+    sampled token's is swapped into slot 0 (vLLM always lists the sampled token); a token without it raises.
+    """
+    chain = itertools.chain.from_iterable
+    n = sum(map(len, completion_ids))
+    tokens = np.fromiter(chain(completion_ids), dtype=np.int64, count=n)
+    firsts = np.fromiter((ids[0] if ids else -1 for ids in chain(token_ids)), dtype=np.int64, count=n)
+    if np.array_equal(firsts, tokens):
+        return
+    for index, (sequence, sequence_ids, sequence_logps) in enumerate(
+        zip(completion_ids, token_ids, logprobs, strict=True)
+    ):
+        for position, (token, ids, logps) in enumerate(zip(sequence, sequence_ids, sequence_logps, strict=True)):
+            if ids and ids[0] == token:
+                continue
+            if token not in ids:
+                raise RuntimeError(
+                    f"vLLM listed no log-probability for the sampled token {token} at position {position} of "
+                    f"completion {index} (it listed tokens {list(ids)}): mu of that token is unknown."
+                )
+            slot = ids.index(token)
+            ids[0], ids[slot] = ids[slot], ids[0]
+            logps[0], logps[slot] = logps[slot], logps[0]
+
+
+def record_vllm_logprobs(generate: Callable, topk: int = 0, records: Callable[[], SamplerRecords] | None = None):
+    """Wrap `VLLMGeneration.generate` so that entry 0 of each token's log-probabilities is the sampled token's, taken
+    by its id.
+
+    With `topk = 0` the sampled token's entry is moved to slot 0 by its id (`sampled_entries_first_`): vLLM was asked
+    for it alone (`logprobs=0`), or the records were already taken from vLLM's own output (`record_vllm_flat_logprobs`,
+    colocate), and the output then passes through untouched. With K > 0 (a vLLM server) vLLM lists each token's entries
+    by rank and GRPOTrainer keeps entry 0; the wrapper stores the kept sets in `records()` (the generation batch's
+    store), laid out like the padded batch, and puts the sampled token's log-probability, found by its id and tagged
+    with its row, in entry 0.
     """
 
     @functools.wraps(generate)
@@ -397,6 +437,7 @@ def record_vllm_logprobs(generate: Callable, topk: int = 0, records: Callable[[]
                 "vLLM returned no log-probabilities; DPPO needs the sampler's log-probability of every sampled token."
             )
         if not topk:
+            sampled_entries_first_(completion_ids, logprobs, logprob_token_ids)
             return prompt_ids, completion_ids, logprobs, logprob_token_ids
 
         def read_run(start: int, end: int) -> tuple[np.ndarray, ...]:

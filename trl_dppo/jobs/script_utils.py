@@ -140,8 +140,8 @@ def parse_with_defaults(parser: Any, defaults: Mapping[str, Any], args: Sequence
 
     Precedence, lowest first: the dataclasses' own defaults, ``defaults``, the YAML file, the command line. GRPOConfig
     refuses both ``generation_batch_size`` and ``steps_per_generation``, so a default for one is dropped when the
-    user sets the other. Names DPPOConfig no longer takes (``trl.experimental.dppo``'s, trl-dppo 0.1's) are refused with
-    what to write instead.
+    user sets the other. ``trl.experimental.dppo``'s names that DPPOConfig does not take are refused with what to
+    write instead.
     """
     args = list(sys.argv[1:] if args is None else args)
     given = {a[2:].split("=")[0].replace("-", "_") for a in args if a.startswith("--")}
