@@ -314,3 +314,22 @@ def test_attention_dropout_that_disable_dropout_cannot_reach_is_refused(tmp_path
         tmp_path, str(tmp_path / "model"), prompts, tokenizer, model_init_kwargs={"attention_dropout": 0.0}
     )
     assert trainer.accelerator.unwrap_model(trainer.model).config.attention_dropout == 0.0
+
+
+def test_an_unbounded_completion_length_trains_as_in_grpo(tmp_path, tiny_model_dir, prompts, tokenizer):
+    """max_completion_length=None: generation stops at the generation config's max_length, as for GRPOTrainer, and
+    mu is recorded for every token it samples."""
+    trainer = make_trainer(tmp_path, tiny_model_dir, prompts, tokenizer, max_completion_length=None, max_steps=1)
+    trainer.train()
+    (logs,) = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert math.isfinite(logs["loss"]) and logs["completions/mean_length"] > 10  # past make_trainer's usual 10
+    assert logs["mismatch/missing_sampler_logps"] == 0.0
+
+
+def test_an_unbounded_completion_length_is_refused_with_tools(tmp_path, tiny_model_dir, prompts, tokenizer):
+    with pytest.raises(
+        ValueError, match="max_completion_length=None with tools or an environment.*Set max_completion"
+    ):
+        make_trainer(
+            tmp_path, tiny_model_dir, prompts, tokenizer, max_completion_length=None, trainer_kwargs={"tools": [len]}
+        )

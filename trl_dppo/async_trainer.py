@@ -35,7 +35,6 @@ import functools
 import os
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,17 +55,17 @@ from .adapter_sync import (
 )
 from .async_config import AsyncDPPOConfig
 from .checkpoints import accept_indexed_cpu_device, complete_deepspeed_checkpoint_on_this_machine
-from .corrections import Correction, apply_corrections
 from .datasets_check import check_prompts, first_prompt_rows
 from .diagnostics import (
-    RATES,
     correction_metrics,
     correction_sums,
+    gather_max,
     gather_sums,
+    record_trust_region_sums,
     reduce_dppo_metrics,
     trust_region_sums,
 )
-from .divergence import binary_divergence, trust_region_mask
+from .divergence import binary_divergence
 from .extras import INSTALL_VLLM, require_extra
 from .images import refuse_images_in_async_prompts
 from .losses import loss_from_weights
@@ -77,7 +76,8 @@ from .server_watch import ServerWatch
 from .staleness import LAG_BUCKETS, LAG_RATES, lag_rate_name, sums_by_lag, updates_since_sampled
 from .trainer import DPPOTrainer, check_training_dropout
 from .tree_attention import register_tree_attention_without_kernel
-from .trust_regions import TrustRegion, TrustRegionInput, get_trust_region
+from .trust_region_step import TrustRegionSetup, trust_region_step
+from .trust_regions import TrustRegionInput
 from .vllm_server import refuse_unprocessed_logprobs
 from .weight_sync import WeightSyncMismatchError, warn_unchecked_syncs
 
@@ -110,29 +110,6 @@ SERVER_RESTART_EXAMPLE = (
     "default, so that no request waits for an adapter slot; to sync full weights over NCCL instead, "
     """--weight-transfer-config '{{"backend": "nccl"}}')."""
 )
-
-
-@dataclass(frozen=True)
-class _TrustRegionSetup:
-    """The trust region as the config chose it: every config value the loss reads, read once (`from_args`)."""
-
-    method: TrustRegion
-    settings: dict[str, Any]
-    corrections: list[tuple[Correction, dict[str, Any]]]  # stacked on the method's weights, in order
-    kind: str  # of the binary divergence: "tv" or "kl"
-    delta_low: float  # DPPO's thresholds, for the diagnostics whatever the method
-    delta_high: float
-
-    @classmethod
-    def from_args(cls, args: AsyncDPPOConfig) -> _TrustRegionSetup:
-        return cls(
-            method=get_trust_region(args.trust_region),
-            settings=args.trust_region_settings,
-            corrections=args.trust_region_correction_settings,
-            kind=args.divergence_kind,
-            delta_low=args.delta_low,
-            delta_high=args.delta_high,
-        )
 
 
 class _QueueWithPolicyVersions:
@@ -273,7 +250,7 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
             refuse_unprocessed_logprobs(
                 self.accelerator, self.vllm_client, args.vllm_server_base_url, SERVER_RESTART_EXAMPLE
             )
-        self._trust_region = _TrustRegionSetup.from_args(args)
+        self._trust_region = TrustRegionSetup.from_args(args)  # the method, its settings and corrections
         # The optimizer step at which each policy version was published, on every process (`_sync_weight`)
         self._published_at: dict[int, int] = {}
         if self.accelerator.is_main_process:
@@ -479,14 +456,11 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
                 anchor_logps=grid_pi,
                 loss_mask=completions.to_grid(tokens[0], False),
             )
-            weights, keep = setup.method(batch, **setup.settings)
-            weights, corrections = apply_corrections(setup.corrections, batch, weights)
-            weights, keep = completions.from_grid(weights)[None], completions.from_grid(keep)[None]
-            # DPPO's own mask, whatever the trust region: the diagnostics compare it with PPO's clip
-            dppo_keep = trust_region_mask(divergence, mu, pi, advantages, setup.delta_low, setup.delta_high)
+            step = trust_region_step(setup, batch)
+            weights = completions.from_grid(step.weights)[None]
             diagnostics = dict(
-                keep=keep,
-                dppo_keep=dppo_keep,
+                keep=completions.from_grid(step.keep)[None],
+                dppo_keep=completions.from_grid(step.dppo_keep)[None],
                 advantages=advantages,
                 sampler_logps=mu,
                 base_logps=mu,  # vLLM reports only mu (truncated sampling is refused)
@@ -494,54 +468,46 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
                 epsilon_low=self.epsilon_low,
                 epsilon_high=self.epsilon_high,
             )
-            sums = self._log_trust_region(tokens, lag[None], diagnostics, (pi.exp() - mu.exp()).abs())
-            if corrections:
-                correction_counts = gather_sums(self.accelerator, correction_sums(batch.loss_mask, corrections))
+            sums = self._log_trust_region(tokens, lag[None], diagnostics)
+            if step.corrections:
+                correction_counts = gather_sums(self.accelerator, correction_sums(batch.loss_mask, step.corrections))
                 for name, value in correction_metrics(correction_counts).items():
                     self._metrics["train"][name].append(value)
         # TRL's normalisation of its own term, less the tokens that left the loss
-        tokens_per_process = ((global_n_tokens - sums["missing"]) / self.accelerator.num_processes).clamp(min=1.0)
+        tokens_per_process = (
+            (global_n_tokens - sums["missing_sampler_logps"]) / self.accelerator.num_processes
+        ).clamp(min=1.0)
         loss = loss_from_weights(trainer_logps[None], weights * tokens).sum()
         return loss / tokens_per_process / self.current_gradient_accumulation_steps
 
     def _log_trust_region(
-        self, tokens: torch.Tensor, lag: torch.Tensor, diagnostics: dict[str, Any], prob_diff: torch.Tensor
+        self, tokens: torch.Tensor, lag: torch.Tensor, diagnostics: dict[str, Any]
     ) -> dict[str, float]:
-        """Sum the diagnostics over processes, overall and by lag bucket, into TRL's metric sink (rates as
-        (numerator, denominator) pairs, reduced over the logging window by `log`); returns the sums."""
+        """Sum the diagnostics over processes, overall (as DPPOTrainer: `diagnostics.record_trust_region_sums`) and by
+        lag bucket, into TRL's metric sink (rates as (numerator, denominator) pairs, reduced over the logging window
+        by `log`); returns the sums."""
         counts = trust_region_sums(tokens, **diagnostics)
         counts.update(sums_by_lag(lag, tokens, **diagnostics))
-        counts["missing"] = (~tokens).sum()
+        counts["missing_sampler_logps"] = (~tokens).sum()
         counts["lag"] = (lag * tokens).sum()
-        values = torch.stack([value.float() for value in counts.values()])
-        sums = dict(zip(counts, self.accelerator.reduce(values, reduction="sum").tolist(), strict=True))
-        local_max = torch.stack(
-            [
-                prob_diff[tokens].max() if tokens.any() else prob_diff.new_zeros(()),
-                lag[tokens].max().float() if tokens.any() else prob_diff.new_zeros(()),
-            ]
-        )
-        prob_diff_max, lag_max = self.accelerator.gather(local_max[None]).amax(0).tolist()
-
         metrics = self._metrics["train"]
+        base_logps, trainer_logps = diagnostics["base_logps"], diagnostics["trainer_logps"]
+        sums = record_trust_region_sums(self.accelerator, metrics, counts, tokens, base_logps, trainer_logps)
 
         def rate(name: str, numerator: str, denominator: str) -> None:
             # Even over no token: a window whose denominators are all 0 logs None (`diagnostics.reduce_window`)
             metrics[name].append((sums[numerator], sums[denominator]))
 
-        for name, (numerator, denominator) in RATES.items():
-            rate(name, numerator, denominator)
         for bucket in LAG_BUCKETS:
             if sums[lag_rate_name("tokens", bucket)] == 0:  # no sample of this lag: the bucket is left out of the log
                 continue
             for name, (numerator, denominator) in LAG_RATES.items():
                 in_bucket = lag_rate_name(denominator, bucket) if denominator else "tokens"
                 rate(lag_rate_name(name, bucket), lag_rate_name(numerator, bucket), in_bucket)
-        metrics["mismatch/abs_prob_diff_max"].append(prob_diff_max)
-        metrics["trust_region/ratio_limited_tokens"].append(sums["ratio_limited"])
-        metrics["mismatch/missing_sampler_logps"].append(sums["missing"])
         rate("staleness/lag_mean", "lag", "tokens")
-        metrics["staleness/lag_max"].append(lag_max)
+        metrics["staleness/lag_max"].append(
+            gather_max(self.accelerator, lag[tokens].max() if tokens.any() else lag.new_zeros(()))
+        )
         return sums
 
     # ------------------------------------------------------------------------------------------- checkpoints

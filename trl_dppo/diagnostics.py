@@ -52,6 +52,7 @@ __all__ = [
     "gather_sums",
     "metrics_from_sums",
     "reduce_dppo_metrics",
+    "record_trust_region_sums",
     "reduce_window",
     "trust_region_sums",
 ]
@@ -234,6 +235,28 @@ def gather_max(accelerator, value: torch.Tensor) -> float:
     return accelerator.gather(value.double().reshape(1)).max().item()
 
 
+def record_trust_region_sums(
+    accelerator,
+    metrics: dict[str, list],
+    sums: dict[str, torch.Tensor],
+    mask: torch.Tensor,
+    base_logps: torch.Tensor,
+    trainer_logps: torch.Tensor,
+) -> dict[str, float]:
+    """Both trainers' path from one loss's sums to its metrics: `sums` (`trust_region_sums`', with
+    `missing_sampler_logps` and any of the caller's own) added over processes, their metrics (`metrics_from_sums`),
+    the count of missing sampler log-probabilities and the largest |pi - mu_base| over the tokens of `mask` appended
+    to `metrics` (a trainer's `_metrics[mode]`); returns the sums over processes."""
+    gathered = gather_sums(accelerator, sums)
+    for name, value in metrics_from_sums(gathered).items():
+        metrics[name].append(value)
+    prob_diff = (trainer_logps.double().exp() - base_logps.double().exp()).abs()
+    local_max = prob_diff[mask].max() if mask.any() else prob_diff.new_zeros(())
+    metrics["mismatch/abs_prob_diff_max"].append(gather_max(accelerator, local_max))
+    metrics["mismatch/missing_sampler_logps"].append(gathered["missing_sampler_logps"])
+    return gathered
+
+
 class TrustRegionDiagnostics:
     """The trainer's diagnostics: metrics per loss computation, the masked-token counts and their checkpoint file.
 
@@ -279,14 +302,8 @@ class TrustRegionDiagnostics:
             args.log_tokens_by_mu,
         )
         sums["missing_sampler_logps"] = missing_sampler_logps
-        gathered = gather_sums(self.trainer.accelerator, sums)
-        prob_diff = (trainer_logps.double().exp() - base_logps.double().exp()).abs()
-        local_max = prob_diff[mask].max() if mask.any() else prob_diff.new_zeros(())
         metrics = self.trainer._metrics[mode]
-        for name, value in metrics_from_sums(gathered).items():
-            metrics[name].append(value)
-        metrics["mismatch/abs_prob_diff_max"].append(gather_max(self.trainer.accelerator, local_max))
-        metrics["mismatch/missing_sampler_logps"].append(gathered["missing_sampler_logps"])
+        record_trust_region_sums(self.trainer.accelerator, metrics, sums, mask, base_logps, trainer_logps)
         if mode == "train" and at_sync:
             for name in ("abs_prob_diff_mean", "abs_prob_diff_max", "kl_mean"):
                 metrics[f"mismatch/at_sync_{name}"].append(metrics[f"mismatch/{name}"][-1])

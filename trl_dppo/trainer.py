@@ -57,10 +57,9 @@ from trl import GRPOConfig, GRPOTrainer
 
 from .checkpoints import accept_indexed_cpu_device, complete_deepspeed_checkpoint_on_this_machine
 from .config import DPPOConfig
-from .corrections import apply_corrections
 from .datasets_check import check_prompt_lengths, check_prompts, first_prompt_rows
 from .diagnostics import TrustRegionDiagnostics, reduce_dppo_metrics
-from .divergence import binary_divergence, topk_divergence, trust_region_mask
+from .divergence import binary_divergence, topk_divergence
 from .extras import INSTALL_VLLM, require_extra
 from .images import feeding_vllm_unexpanded_images, refuse_images_in_server_mode, refuse_tool_images
 from .moe import (
@@ -82,7 +81,8 @@ from .rollout import (
 )
 from .server_watch import ServerWatch
 from .topk import check_topk_sharding, check_topk_support, lm_head_kept_logps
-from .trust_regions import TrustRegionInput, get_trust_region
+from .trust_region_step import TrustRegionSetup, trust_region_step
+from .trust_regions import TrustRegion, TrustRegionInput
 from .vllm_server import refuse_unprocessed_logprobs, refuse_weight_transfer_without_cuda
 from .weight_sync import (
     WeightSyncCheck,
@@ -207,6 +207,11 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
         if environment_factory is None and train_dataset is not None:
             columns, prompt_rows = first_prompt_rows(train_dataset)
             check_prompts(columns, prompt_rows, "DPPOTrainer")
+        if args.max_completion_length is None and (tools or environment_factory):
+            raise ValueError(
+                "max_completion_length=None with tools or an environment: TRL measures each turn against the "
+                "completion budget max_completion_length, which must then be a number. Set max_completion_length."
+            )
         if args.use_vllm and args.vllm_mode == "server":
             refuse_images_in_server_mode(train_dataset)
         if args.use_vllm:  # after the refusals that do not depend on it, before TRL's, which names TRL's extra
@@ -234,9 +239,7 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
         refuse_untrained_aux_loss(self.aux_loss_enabled, self.args)  # after GRPOTrainer's checkpointing settings
         if prompt_rows and not self.use_vllm and self.rollout_func is None and not self._is_vlm:
             self._check_prompt_lengths(prompt_rows)
-        self.trust_region = get_trust_region(args.trust_region)
-        self.trust_region_settings = args.trust_region_settings
-        self.trust_region_corrections = args.trust_region_correction_settings
+        self._trust_region = TrustRegionSetup.from_args(args)  # the method, its settings and corrections
         if args.recorded_topk:
             check_topk_support(self._causal_lm())
             check_topk_sharding(self.accelerator)
@@ -285,7 +288,7 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
             raise ValueError(
                 f"use_rollout_routing_replay=True is not supported with {path}. Set use_rollout_routing_replay=False."
             )
-        if self.trust_region.recomputes_anchor:
+        if self._trust_region.method.recomputes_anchor:
             raise ValueError(
                 f"use_rollout_routing_replay=True with trust_region={self.args.trust_region!r}: its anchor pi_old is "
                 "recomputed by a forward that does not replay the sampler's routes. Use trust_region='dppo'."
@@ -433,6 +436,16 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
 
     # --------------------------------------------------------------------------------------------------- loss
 
+    @property
+    def trust_region(self) -> TrustRegion:
+        """The registered method the config chose (`trust_regions.py`)."""
+        return self._trust_region.method
+
+    @property
+    def trust_region_settings(self) -> dict[str, Any]:
+        """The method's resolved settings."""
+        return self._trust_region.settings
+
     def _causal_lm(self) -> torch.nn.Module:
         model = self.accelerator.unwrap_model(self.model)
         return model.get_base_model() if is_peft_model(model) else model
@@ -448,7 +461,7 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         scoring = self._sampler_records is not None  # a generation batch is being scored
-        if scoring and not self.trust_region.recomputes_anchor and self._is_policy(model):
+        if scoring and not self._trust_region.method.recomputes_anchor and self._is_policy(model):
             # GRPOTrainer's recomputation of old log-probabilities; DPPO's anchor is the sampler's record instead
             return None, None, None
         if self._loss_context is None:
@@ -525,7 +538,7 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
         self, context: _LossContext, trainer_logps: torch.Tensor, hidden: torch.Tensor | None
     ) -> None:
         """Replace the batch's advantages by the trust region's per-token weights (DPPO: M_t * pi/mu * A_t) with the
-        corrections stacked on them (`corrections.py`), and hand what both did to the diagnostics."""
+        corrections stacked on them (`trust_region_step`), and hand what both did to the diagnostics."""
         inputs = context.inputs
         mask = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).bool()
         advantages = inputs["advantages"]
@@ -537,7 +550,7 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
         base_logps = sampler_logps
         if "sampler_base_logps" in inputs:
             base_logps = torch.where(mask, inputs["sampler_base_logps"], trainer_logps)
-        kind = self.args.divergence_kind
+        kind = self._trust_region.kind
         if self.args.recorded_topk:
             trainer_kept = lm_head_kept_logps(
                 self._causal_lm().get_output_embeddings(),
@@ -561,29 +574,25 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
             anchor_logps=trainer_logps if context.anchor_logps is None else context.anchor_logps,
             loss_mask=mask,  # each row is one completion
         )
-        weights, keep = self.trust_region(batch, **self.trust_region_settings)
-        weights, corrections = apply_corrections(self.trust_region_corrections, batch, weights)
-        inputs["advantages"] = weights * mask
-        # DPPO's own mask, whatever the trust region: the diagnostics compare it with PPO's clip
-        dppo_keep = trust_region_mask(
-            divergence, base_logps, trainer_logps, advantages, self.args.delta_low, self.args.delta_high
-        )
+        step = trust_region_step(self._trust_region, batch)
+        inputs["advantages"] = step.weights * mask
         # The loss runs on the weights that sampled the batch while `global_step` still equals the generation's
         at_sync = self.model.training and self.state.global_step == self._generated_at_step
+        mode = "train" if self.model.training else "eval"
         self.diagnostics.record(
-            "train" if self.model.training else "eval",
+            mode,
             at_sync,
             inputs["completion_ids"],
             mask,
-            keep,
-            dppo_keep,
+            step.keep,
+            step.dppo_keep,
             advantages,
             sampler_logps,
             base_logps,
             trainer_logps,
             context.missing_sampler_logps,
         )
-        self.diagnostics.record_corrections("train" if self.model.training else "eval", mask, corrections)
+        self.diagnostics.record_corrections(mode, mask, step.corrections)
         if at_sync and self.use_vllm and self.args.vllm_allow_truncated_sampling:
             self.diagnostics.record_truncation_gap(mask, sampler_logps, trainer_logps)
 
