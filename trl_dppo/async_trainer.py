@@ -192,6 +192,9 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
         rollout_worker: RolloutWorkerProtocol | None = None,
         weight_transfer: WeightTransferProtocol | None = None,
     ):
+        """Refuse what DPPO cannot train, `super().__init__` (TRL's peak-FLOPs lookup answering `None` off CUDA, where
+        it would stop the constructor), then DPPO's setup: dropout off, the server's log-probability mode checked and
+        watched, the rollout queue wrapped to carry each sample's policy version."""
         if args is None:
             args = AsyncDPPOConfig(f"{model.split('/')[-1]}-AsyncDPPO")
         if not isinstance(args, AsyncDPPOConfig):
@@ -259,6 +262,14 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
     # ------------------------------------------------------------------------------------- policy versions
 
     def get_train_dataloader(self) -> DataLoader:
+        """`super()`, then on the main process wraps the collator (`_collate_policy_versions`) and the rollout dataset's
+        health check (`_check_worker_and_server`).
+
+        TRL keeps `model_version` on the sample, but its `RolloutQueueDataset` drops it from the examples it yields: the
+        collator takes each sample's version out of its `metrics` (where the queue wrapper put it) and gives the batch
+        `policy_version`, one entry per loss term, for the lag of each term at loss time. The worker's heartbeat stays
+        fresh while its generation fails on a dead server, so the health check asks the server too.
+        """
         loader = super().get_train_dataloader()
         if self.accelerator.is_main_process:  # the main process alone collates; the others receive its batches
             collator = loader.collate_fn
@@ -273,6 +284,9 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
         return loader
 
     def _sync_weight(self):
+        """`super()`, with a LoRA adapter inside a gather of it (ZeRO-3 shards) and, with `weight_sync_check` on,
+        checked (`_check_adapter_sync`, `_probe_served_adapter`); then broadcasts the version and the step that published
+        it, for each process's lags in updates. A server that stops answering ends the run with the server watch's error."""
         # TRL's adapter sync saves `model.state_dict()`'s LoRA tensors as it finds them, which under ZeRO-3 are each
         # process's empty shards: the adapter gathered whole on every process (a collective; a no-op without ZeRO-3)
         adapter = [param for name, param in self.model.named_parameters() if "lora_" in name]
@@ -394,6 +408,15 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
     # -------------------------------------------------------------------------------------------------- loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's loss on a copy of the batch with zero advantages, plus DPPO's trust-region term from the same forward
+        (`_trust_region_loss`).
+
+        TRL's loss offers no seam between its forward and its clip: it reads the advantages and old log-probabilities
+        before the forward, and its packed rows share positions between samples, so log pi cannot be replaced per
+        position. With zero advantages TRL's PPO term has no gradient while its forward, its `ratio` / `kl` / `entropy`
+        metrics (against mu, with a missing mu, NaN or vLLM's floor, read as 0) and the MoE auxiliary loss stay TRL's;
+        a forward hook takes the forward's `log_probs`, so no pass is added. TRL's `clip_ratio/*` then read 0.
+        """
         terms = inputs["token_index"] >= 0  # this process's loss terms; TRL pads the batch's rows with -1
         no_mu = ~torch.isfinite(inputs["old_log_probs"]) | (inputs["old_log_probs"] <= VLLM_LOGPROB_FLOOR)
         # TRL's PPO term with zero advantages: no gradient, its metrics (ratio, kl, entropy) against finite mu
@@ -434,9 +457,10 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
         completions: SequenceLayout,
     ) -> torch.Tensor:
         """-sum_t w_t * exp(log pi - sg(log pi)) over this process's loss terms (one flat row), normalised like TRL's
-        term: over the tokens of all processes, by gradient-accumulation step. The trust region and its corrections
-        see the terms as the synchronous trainer's batch, one completion per row (`completions`), and give the same
-        weights. Logs the trust region's and the corrections' metrics."""
+        term: over the tokens of all processes less the missing ones, by gradient-accumulation step. The weights come
+        from `trust_region_step`, the one function DPPOTrainer's `_set_trust_region_advantages` calls too, which sees the
+        terms as the synchronous trainer's batch, one completion per row (`completions`), and gives the same weights.
+        Logs the trust region's and the corrections' metrics, overall and by policy lag."""
         setup = self._trust_region
         tokens = ~missing[None]
         with torch.no_grad():
@@ -513,6 +537,8 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
     # ------------------------------------------------------------------------------------------- checkpoints
 
     def _save_checkpoint(self, model, trial):
+        """`super()`, then under DeepSpeed with `save_on_each_node` DeepSpeed's `latest` on every machine, as
+        DPPOTrainer's (`checkpoints.complete_deepspeed_checkpoint_on_this_machine`)."""
         super()._save_checkpoint(model, trial)
         if self.is_deepspeed_enabled and self.args.save_on_each_node and self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
@@ -521,6 +547,10 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
     # ------------------------------------------------------------------------------------------------ logging
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """DPPO's metrics reduced by DPPOTrainer's rule (`diagnostics.reduce_dppo_metrics`), then `super()`: TRL's
+        `_reduce_metric` reduces pairs as DPPO does but averages a count whose name has no `total` word
+        (`mismatch/missing_sampler_logps`, `trust_region/ratio_limited_tokens`); one rule gives both trainers the same
+        logged values."""
         # TRL reduces pairs as DPPO does but averages counts: DPPO's metrics are reduced by DPPO's one rule first
         reduce_dppo_metrics(self._metrics["train" if self.model.training else "eval"])
         super().log(logs, start_time)

@@ -18,14 +18,14 @@ are in the loss).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from .losses import LOG_RATIO_LIMIT
+from .registry import Registered
 from .trust_regions import TrustRegionInput
 
 
@@ -56,43 +56,26 @@ CorrectionFunction = Callable[..., CorrectionOutput]
 
 
 @dataclass(frozen=True)
-class Correction:
-    """A registered correction: its function, equation and source (the docs' table), settings with their defaults,
-    and what it requires."""
+class Correction(Registered):
+    """A registered correction, and what it requires."""
 
-    name: str
-    function: CorrectionFunction
-    equation: str
-    source: str
-    settings: dict[str, Any]
+    kind: ClassVar[str] = "correction"
+    inputs: ClassVar[tuple[str, ...]] = ("the TrustRegionInput", "the weights")
+    settings_need_defaults: ClassVar[bool] = True
+
     caps_ratio: bool = False  # it truncates the ratio: refused on a trust region that caps it already
     needs_sequences: bool = False  # it reads whole completions (`TrustRegionInput.loss_mask`)
     adds_term: bool = False  # it adds a loss term (stacked after every factor) rather than removing weight
-    check_settings: Callable[..., None] | None = None
 
     @property
     def metrics(self) -> tuple[str, ...]:
         """What it logs, as `corrections/<name>/<metric>`."""
         return ("penalty_mean",) if self.adds_term else ("token_fraction", "sequence_fraction")
 
-    @torch.no_grad()
-    def __call__(self, x: TrustRegionInput, weights: torch.Tensor, **settings: Any) -> CorrectionOutput:
-        return self.function(x, weights, **settings)
-
     def resolve_settings(self, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
         """`kwargs` (the user's settings for this correction) over the function's defaults; raises on an unknown key."""
-        kwargs = dict(kwargs or {})
-        unknown = sorted(set(kwargs) - set(self.settings))
-        if unknown:
-            takes = ", ".join(f"{n!r}" for n in self.settings) or "no settings"
-            raise ValueError(
-                f"trust_region_corrections_kwargs[{self.name!r}] has {unknown}, which the correction {self.name!r} "
-                f"does not take; it takes {takes}."
-            )
-        values = {name: kwargs.get(name, default) for name, default in self.settings.items()}
-        if self.check_settings is not None:
-            self.check_settings(**values)
-        return values
+        given_in = f"trust_region_corrections_kwargs[{self.name!r}]"
+        return self._resolve(kwargs, given_in, f"the correction {self.name!r}")
 
 
 # name -> correction, in the order they stack
@@ -113,23 +96,10 @@ def register_correction(
 
     Corrections stack in registration order, except that those adding a loss term (`adds_term`) come after every one
     that scales the weight, so that no mask or truncation removes the term."""
-
-    def register(fn: CorrectionFunction) -> CorrectionFunction:
-        if name in CORRECTIONS:
-            raise ValueError(f"A correction named {name!r} is already registered; choose another name.")
-        _, _, *params = inspect.signature(fn).parameters.values()
-        if any(p.kind is not p.KEYWORD_ONLY or p.default is p.empty for p in params):
-            raise TypeError(
-                f"{fn.__qualname__} takes the TrustRegionInput and the weights, then its settings as keyword-only "
-                "parameters with defaults (after `*`)."
-            )
-        settings = {p.name: p.default for p in params}
-        CORRECTIONS[name] = Correction(
-            name, fn, equation, source, settings, caps_ratio, needs_sequences, adds_term, check_settings
-        )
-        return fn
-
-    return register
+    fields = dict(equation=equation, source=source, caps_ratio=caps_ratio, needs_sequences=needs_sequences)
+    return lambda fn: Correction.register(
+        CORRECTIONS, name, fn, adds_term=adds_term, check_settings=check_settings, **fields
+    )
 
 
 def get_correction(name: str) -> Correction:

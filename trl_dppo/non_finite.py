@@ -62,6 +62,8 @@ class StopOnNonFinite:
     _non_finite_loss: torch.Tensor | None = None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        """`super()`, then ORs whether the micro-batch's loss is finite into a device flag: no synchronisation per
+        micro-batch."""
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.args.stop_on_non_finite:
             bad = ~torch.isfinite(loss)
@@ -69,12 +71,23 @@ class StopOnNonFinite:
         return loss
 
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, *args, **kwargs):
+        """Before `super()` logs or saves: stop on a non-finite loss, gradient norm or parameter (`_stop_if_non_finite`).
+
+        The training loop calls this after each optimizer step with the step's gradient norm. Checking before the save
+        means no checkpoint of non-finite weights is written, so the one the error names is safe to resume from.
+        """
         # Before logging and saving: a checkpoint of non-finite weights is never written
         if self.args.stop_on_non_finite:
             self._stop_if_non_finite(grad_norm)
         return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, *args, **kwargs)
 
     def _stop_if_non_finite(self, grad_norm: torch.Tensor | float | None) -> None:
+        """Raise `NonFiniteTrainingError` on every process at the same step if the step's loss flag, its gradient norm
+        or one fused max |p| over the trainable parameters this process holds (`torch.nn.utils.get_total_norm`,
+        inf-norm: under ZeRO-3 the process's partition) is not finite, the three summed over processes in one
+        all-reduce. The error names the step, the quantities, the non-finite parameters (found only then, gathered over
+        processes) and the last checkpoint in `output_dir`. A step fp16's loss scaler skipped counts neither its loss
+        nor its gradient."""
         device = self.accelerator.device
         loss_bad = self._non_finite_loss if self._non_finite_loss is not None else torch.tensor(False, device=device)
         self._non_finite_loss = None

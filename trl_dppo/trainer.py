@@ -189,6 +189,11 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
         rollout_func: RolloutFunc | None = None,
         environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory] | None = None,
     ):
+        """Refuse what DPPO cannot train, `super().__init__`, then set up the recording of mu and the trust region.
+
+        Refusals before `super()` are those TRL would reach late, or never (each names what to set instead); those after
+        it read what GRPOTrainer built (the model's dropout and routers, the LM head's sharding, the generation config).
+        """
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = DPPOConfig(f"{name.split('/')[-1]}-DPPO")
@@ -299,7 +304,9 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
 
     def _wrap_vllm_backend(self) -> None:
         """Record mu (and the top-K) from vLLM's output, and sync weights in place on vLLM's CPU backend, checked; any
-        other sync is said unchecked at start and logged as `weight_sync/unchecked`."""
+        other sync is said unchecked at start and logged as `weight_sync/unchecked`. In server mode, refuses a server
+        without processed log-probabilities (TRL checks it only with the importance-sampling correction DPPO turns off)
+        and bounds each request by a `ServerWatch` (TRL's have no timeout)."""
         backend = self.vllm_generation
         gathering_module_by_module(backend)  # under ZeRO-3 with PEFT, one module gathered at a time, not the model
         if backend.mode == "server":  # TRL checks the mode only with `vllm_importance_sampling_correction`
@@ -353,6 +360,16 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
         self._metrics["train" if self.model.training else "eval"][name].append(value)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """Return the sampler's log-probabilities with the completions, which GRPOTrainer threads (through tool calls)
+        into `sampling_per_token_logps`; refuses a tool that returned an image (`images.refuse_tool_images`).
+
+        On vLLM the wrapped backend already returns them. On transformers generation, `super()` runs with
+        `rollout.recording_generate` around transformers' own processor chain: mu is recorded from the scores
+        `_sample` draws from, and mu_base from the raw logits when the chain truncates or penalises (no extra forward,
+        `(batch, vocab)` tensors of memory); an MoE generates without router logits
+        (`moe.generating_without_router_logits`) and, with router replay, each router's choice per token is recorded
+        (`moe.RoutingRecorder`) into the generation batch's store.
+        """
         if has_tool_images:
             refuse_tool_images()
         if self.use_vllm:  # the wrapped backend already returns the sampler's records
@@ -384,6 +401,9 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
         return self._sampler_records
 
     def _generate(self, prompts: list):
+        """`super()`, keeping its float lists in the generation batch's `SamplerRecords` when the batch needs more than
+        the float: each float carries its token's row in the store (low mantissa bits that TRL's float32 tensor drops),
+        so after TRL's tool-call stitching and truncation the lists still say which record each token has."""
         output = super()._generate(prompts)
         if self._sampler_records is not None and self._sampler_records.needed:
             # The float lists after tool-call stitching say which record each completion token has
@@ -391,6 +411,10 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
         return output
 
     def _generate_and_score_completions(self, inputs):
+        """`super()` with the generation batch's record store set (`_sampler_records`), then its records added to the
+        batch as tensors (kept sets, mu_base, routes), so that shuffling and `steps_per_generation` splits carry them; a
+        loss token without its record stops training (`MissingRecordsError`), and tokens without mu leave
+        `num_items_in_batch`."""
         if self.model.training:
             self._generated_at_step = self.state.global_step
         self._sampler_records = SamplerRecords(topk=self.args.recorded_topk)
@@ -460,6 +484,11 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
         return True
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        """While scoring, skip GRPOTrainer's recomputation of old log-probabilities (DPPO's anchor is the sampler's
+        record; a method with `recomputes_anchor` keeps it); in the loss, turn the forward's log pi into the trust region's
+        per-token advantages (`_set_trust_region_advantages`). With no old log-probabilities GRPOTrainer's per-token term
+        is -A_t with gradient -A_t * grad log pi: DPPO's gradient, normalised as `loss_type` says, with GRPO's entropy, KL
+        and auxiliary terms unchanged (on reused batches with `use_bias_correction_kl=True` the KL ratio reads 1)."""
         scoring = self._sampler_records is not None  # a generation batch is being scored
         if scoring and not self._trust_region.method.recomputes_anchor and self._is_policy(model):
             # GRPOTrainer's recomputation of old log-probabilities; DPPO's anchor is the sampler's record instead
@@ -490,6 +519,10 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
         return logps, entropies, aux_loss
 
     def training_step(self, model, inputs, num_items_in_batch):
+        """`super()` (through `StopOnNonFinite`), then disarms the router replay the loss's forward armed and logs
+        `routing/differing_expert_sets`: gradient checkpointing (on by default in GRPOConfig) runs each layer's forward
+        again in the backward pass, which `Trainer.training_step` runs after `compute_loss`, and that recomputation must
+        route as the forward did."""
         try:
             return super().training_step(model, inputs, num_items_in_batch)
         finally:
@@ -502,6 +535,11 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
             self.diagnostics.record_replayed_routes("train" if self.model.training else "eval", replayed)
 
     def _compute_loss(self, model, inputs):
+        """`super()` on a shallow copy of the batch (GRPOTrainer reuses the buffered batch over `num_iterations`
+        passes), inside `_computing_loss`, which hands the loss's forward its `_LossContext`: GRPOTrainer calls the
+        forward with fixed arguments, so the batch reaches it through the trainer, set and cleared in one place. Tokens
+        without a sampler log-probability leave the loss through `tool_mask`, so no NaN reaches it; minirl's recomputed
+        anchor is taken out of the batch, so GRPOTrainer's ratio reads 1."""
         # GRPOTrainer reuses a buffered batch over `num_iterations` passes, so work on a shallow copy
         inputs = dict(inputs)
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
@@ -538,7 +576,9 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
         self, context: _LossContext, trainer_logps: torch.Tensor, hidden: torch.Tensor | None
     ) -> None:
         """Replace the batch's advantages by the trust region's per-token weights (DPPO: M_t * pi/mu * A_t) with the
-        corrections stacked on them (`trust_region_step`), and hand what both did to the diagnostics."""
+        corrections stacked on them, and hand what both did to the diagnostics. The weights come from
+        `trust_region_step`, the one function AsyncDPPOTrainer's `_trust_region_loss` calls too; with top-K, pi at the
+        kept ids is read from the backbone's hidden states (`topk.lm_head_kept_logps`)."""
         inputs = context.inputs
         mask = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).bool()
         advantages = inputs["advantages"]
@@ -599,6 +639,12 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
     # ------------------------------------------------------------------------------------------- checkpoints
 
     def _save_checkpoint(self, model, trial):
+        """`super()`, then the masked-token counts behind `masked_tokens.json` (summed over processes) into the
+        checkpoint's `dppo_masked_token_counts.json`: they are training state, which a resumed run continues, as
+        GRPOTrainer keeps its entropy controller's. Under DeepSpeed with `save_on_each_node`, also writes DeepSpeed's
+        `latest` where DeepSpeed did not (`checkpoints.complete_deepspeed_checkpoint_on_this_machine`): DeepSpeed
+        writes it on the global rank 0 only, and without it another machine's resume fails ("[deepspeed] failed to
+        resume from checkpoint")."""
         super()._save_checkpoint(model, trial)
         # The masked-token counts are training state: a resumed run continues them (summed over processes)
         folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
@@ -607,12 +653,21 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
             complete_deepspeed_checkpoint_on_this_machine(folder)  # each machine resumes from its own copy
 
     def _load_optimizer_and_scheduler(self, checkpoint):
+        """`super()`, then the masked-token counts `_save_checkpoint` wrote: called only when resuming."""
         super()._load_optimizer_and_scheduler(checkpoint)  # called only when resuming, with the checkpoint's path
         self.diagnostics.load_counts(checkpoint)
 
     # ------------------------------------------------------------------------------------------------ logging
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Reduce each of DPPO's metrics over the logging window to one value (`diagnostics.reduce_dppo_metrics`), then
+        `super()`.
+
+        GRPOTrainer's `log` logs each list's mean: over several micro-batches a mean of per-micro-batch rates is wrong
+        (an empty denominator pulls it toward 0), and a mean of maxima or counts is neither. A rate is logged as
+        (numerator, denominator) pairs, which GRPOTrainer's NaN filter (`math.isnan` on every value) cannot take, and
+        reduced to its sums' ratio first: NaN over no token, which the filter then logs as None.
+        """
         # GRPOTrainer logs each metric's window mean: DPPO's rates are pairs to sum, its maxima and counts no means
         reduce_dppo_metrics(self._metrics["train" if self.model.training else "eval"])
         super().log(logs, start_time)

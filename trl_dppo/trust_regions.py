@@ -24,10 +24,9 @@ C = 3 for the truncated-importance-sampling baseline (PG-TIS / CISPO).
 from __future__ import annotations
 
 import importlib
-import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import torch
 
@@ -39,6 +38,7 @@ from .losses import (
     negative_update_keep,
     ratio_clip_keep,
 )
+from .registry import Registered
 
 
 __all__ = [
@@ -92,55 +92,19 @@ TrustRegionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
-class TrustRegion:
-    """A registered method: its function, its equation (the docs' table), its settings with their defaults, and what
-    it requires of the configuration."""
+class TrustRegion(Registered):
+    """A registered method, and what it requires of the configuration."""
 
-    name: str
-    function: TrustRegionFunction
-    equation: str
-    settings: dict[str, Any]  # keyword-only parameter -> default (inspect.Parameter.empty when it has none)
+    kind: ClassVar[str] = "trust region"
+    config_fields: ClassVar[tuple[str, ...]] = SHARED_SETTINGS
+
     recomputes_anchor: bool = False
     divergences: tuple[str, ...] | None = None  # the divergences it works with; None: any
-    check_settings: Callable[..., None] | None = None
-    source: str = ""  # where it comes from (the docs' table)
-
-    @torch.no_grad()
-    def __call__(self, x: TrustRegionInput, **settings: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.function(x, **settings)
 
     def resolve_settings(self, kwargs: Mapping[str, Any] | None, shared: Mapping[str, Any]) -> dict[str, Any]:
         """This method's settings: from `kwargs` (the user's `trust_region_kwargs`), else `shared` (DPPOConfig's
         thresholds), else the function's default. Raises on a key the method does not take or a missing value."""
-        kwargs = dict(kwargs or {})
-        unknown = sorted(set(kwargs) - set(self.settings))
-        if unknown:
-            takes = ", ".join(f"{n!r}" for n in self.settings if n not in SHARED_SETTINGS) or "no settings"
-            raise ValueError(
-                f"trust_region_kwargs has {unknown}, which trust_region={self.name!r} does not take; it takes {takes}."
-            )
-        shadowed = sorted(set(kwargs) & set(SHARED_SETTINGS))
-        if shadowed:
-            raise ValueError(
-                f"{shadowed} are DPPOConfig fields (shared by every method); set them there, not in "
-                "trust_region_kwargs."
-            )
-        values = {}
-        for name, default in self.settings.items():
-            if name in kwargs:
-                values[name] = kwargs[name]
-            elif name in shared:
-                values[name] = shared[name]
-            elif default is not inspect.Parameter.empty:
-                values[name] = default
-            else:
-                raise ValueError(
-                    f"trust_region={self.name!r} needs the setting {name!r}: pass it in trust_region_kwargs, or give "
-                    f"the parameter `{name}` of {self.function.__qualname__} a default."
-                )
-        if self.check_settings is not None:
-            self.check_settings(**values)
-        return values
+        return self._resolve(kwargs, "trust_region_kwargs", f"trust_region={self.name!r}", shared)
 
     def check_divergence(self, divergence: str) -> None:
         if self.divergences is not None and divergence not in self.divergences:
@@ -176,24 +140,8 @@ def register_trust_region(
             ValueError on a bad value.
         source: the paper or code it comes from, for the docs' table.
     """
-
-    def register(fn: TrustRegionFunction) -> TrustRegionFunction:
-        if name in TRUST_REGIONS:
-            raise ValueError(f"A trust region named {name!r} is already registered; choose another name.")
-        _, *params = inspect.signature(fn).parameters.values()
-        positional = [p.name for p in params if p.kind is not p.KEYWORD_ONLY]
-        if positional:
-            raise TypeError(
-                f"{fn.__qualname__} takes the TrustRegionInput, then its settings as keyword-only parameters (after "
-                f"`*`) so that DPPOConfig can fill them by name; {positional} are not keyword-only."
-            )
-        settings = {p.name: p.default for p in params}
-        TRUST_REGIONS[name] = TrustRegion(
-            name, fn, equation, settings, recomputes_anchor, divergences, check_settings, source
-        )
-        return fn
-
-    return register
+    fields = dict(equation=equation, recomputes_anchor=recomputes_anchor, divergences=divergences, source=source)
+    return lambda fn: TrustRegion.register(TRUST_REGIONS, name, fn, check_settings=check_settings, **fields)
 
 
 def get_trust_region(name: str) -> TrustRegion:
