@@ -152,6 +152,8 @@ TRAINING_ARGUMENTS_OPTIONS = _rules({
     "torch_compile_mode": (I, "compiles the training forward; pi is the compiled model's"),
     "use_liger_kernel": (I, "Liger's layer kernels in the trained model, as GRPOTrainer applies them (its own fused LM head kept)"),
     "liger_kernel_config": (I, "Liger's layer kernels; TRL refuses fused_linear_cross_entropy"),
+    "activation_checkpointing": (I, "newer transformers' name of gradient_checkpointing, kept equal to it"),
+    "activation_checkpointing_kwargs": (I, "newer transformers' name of gradient_checkpointing_kwargs, kept equal to it"),
     "gradient_checkpointing": (I, "recomputes activations in the backward pass; with an MoE auxiliary loss see router_aux_loss_coef"),
     "gradient_checkpointing_kwargs": (I, "reentrant checkpointing with an MoE auxiliary loss is refused (see router_aux_loss_coef)"),
     "neftune_noise_alpha": (R, "refused (DPPOConfig, AsyncDPPOConfig): noise on the training forward's embeddings, absent in the sampler's, makes pi another function than mu"),
@@ -206,6 +208,10 @@ TRAINING_ARGUMENTS_INHERITED = frozenset({
 
 # Every field AsyncGRPOConfig declares beyond TrainingArguments' (TRL 1.16). TRL's rollout worker asks the server's
 # OpenAI completions endpoint for `logprobs: 0` and reads `token_logprobs`, which vLLM looks up by the sampled token's id
+# Fields that some of the releases pyproject.toml accepts have and others lack (transformers 5.17 has neither of these,
+# 5.24 both): an entry of the map is missing from the installed release's fields only where it is not one of them
+FIELDS_OF_SOME_RELEASES = frozenset({"activation_checkpointing", "activation_checkpointing_kwargs"})
+
 ASYNC_GRPO_CONFIG_OPTIONS = _rules({
     "model_init_kwargs": (R, "a model it leaves with attention_dropout > 0 is refused while disable_dropout=True (trainer.check_training_dropout)"),
     "dtype": (I, "the trained model's dtype; the server's own --dtype opens the gap logged as mismatch/*"),
@@ -289,7 +295,7 @@ SAMPLING_PARAMS_OPTIONS = _rules({
 def _gaps(table: str, names: Iterable[str], mapped: Iterable[str], owner: str) -> list[str]:
     names, mapped = set(names), set(mapped)
     return [f"{owner}.{name}: not classified in trl_dppo.options.{table}" for name in sorted(names - mapped)] + [
-        f"{table}[{name!r}]: {owner} has no such field" for name in sorted(mapped - names)
+        f"{table}[{name!r}]: {owner} has no such field" for name in sorted(mapped - names - FIELDS_OF_SOME_RELEASES)
     ]
 
 
