@@ -38,25 +38,22 @@ import gc
 import json
 import os
 import platform
-import queue
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from harness import SMOLLM2, TRIAL_ENV
+import dppo_vs_grpo
+from harness import ROOT, SMOLLM2, TRIAL_ENV
 
 
 OUT = Path(__file__).parent / "results" / "loss_step"
 THREADS = 2
-# dppo_vs_grpo.py's aligned configuration: one generation batch per optimizer step, 8 completions x 32 tokens
+# dppo_vs_grpo.py's aligned configuration (one generation batch per optimizer step, 8 completions x 32 tokens), in fp32
+# on the CPU
 BASE = dict(
-    per_device_train_batch_size=8,
-    num_generations=8,
-    max_completion_length=32,
-    learning_rate=1e-4,
-    generation_kwargs={"min_new_tokens": 32},
+    dppo_vs_grpo.BASE,
     bf16=False,
     use_cpu=True,
     disable_dropout=True,  # DPPOConfig's default; GRPOConfig's is False (SmolLM2 and the adapter have no dropout)
@@ -67,29 +64,6 @@ BASE = dict(
 )
 LORA = dict(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
 SYNC_BASELINE, ASYNC_BASELINE = "grpo", "async grpo (TRL's compute_loss)"
-
-
-class StubRolloutWorker:
-    """TRL's `RolloutWorkerProtocol` with nothing behind it: the benchmark fills its queue itself."""
-
-    def __init__(self):
-        self.rollout_buffer = queue.Queue()
-        self.metrics_queue = queue.Queue()
-
-    def start(self): ...
-    def stop(self): ...
-    def update_model_version(self, model_version): ...
-    def check_health(self, stale_after_s): ...
-
-
-class NoWeightTransfer:
-    """TRL's `WeightTransferProtocol` doing nothing: no weights are synced."""
-
-    def init_weight_transfer(self): ...
-    def pause(self): ...
-    def send_weights(self, iterator): ...
-    def resume(self): ...
-    def destroy(self): ...
 
 
 def sync_trainers(model: str, tokenizer, dataset, workdir: str) -> dict:
@@ -129,6 +103,9 @@ def async_trainer(model: str, tokenizer, dataset, workdir: str):
 
     from trl_dppo import AsyncDPPOConfig, AsyncDPPOTrainer
     from trl_dppo.jobs.arithmetic import exact_answer_reward
+
+    sys.path.insert(0, str(ROOT))
+    from tests.conftest import NoWeightTransfer, StubRolloutWorker
 
     settings = {k: v for k, v in BASE.items() if k not in ("num_generations", "generation_kwargs")}
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ import torch
 from trl_dppo.jobs import dppo_math_lora, hh_rlhf_lora
 from trl_dppo.jobs.cli import COMMANDS, main
 from trl_dppo.jobs.default_model import DEFAULT_MODEL
-from trl_dppo.jobs.script_utils import parse_with_defaults, resolve_offline_default
+from trl_dppo.jobs.script_utils import checkpoint_to_resume, parse_with_defaults, resolve_offline_default
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -179,3 +179,11 @@ def test_recipes_name_only_existing_arguments():
         ["--config", str(REPO / "recipes/hh_rlhf_qwen3_4b_lora.yaml")],
     )
     assert list(map(settings, hh_recipe)) == list(map(settings, documented))
+
+
+def test_resume_from_checkpoint_true_resumes_from_the_last_checkpoint():
+    """transformers' `Trainer.train` reads `resume_from_checkpoint` only as its argument, and the flag arrives as a
+    string: `true` means the last checkpoint in output_dir, anything else is the folder named."""
+    assert checkpoint_to_resume("true") is True and checkpoint_to_resume("True") is True
+    assert checkpoint_to_resume("runs/x/checkpoint-40") == "runs/x/checkpoint-40"
+    assert checkpoint_to_resume(None) is None

@@ -53,8 +53,8 @@ class OptionRule:
             raise ValueError(f"treatment must be one of {TREATMENTS}, got {self.treatment!r}.")
 
 
-def _rules(table: dict[str, tuple[str, str]]) -> dict[str, OptionRule]:
-    return {name: OptionRule(*rule) for name, rule in table.items()}
+def _rules(table: dict[str, tuple[str, str] | OptionRule]) -> dict[str, OptionRule]:
+    return {name: rule if isinstance(rule, OptionRule) else OptionRule(*rule) for name, rule in table.items()}
 
 
 I, C, R, O = TREATMENTS  # noqa: E741 (the tables' shorthand: inherited, changed, refused, opt_in)
@@ -213,11 +213,11 @@ TRAINING_ARGUMENTS_INHERITED = frozenset({
 FIELDS_OF_SOME_RELEASES = frozenset({"activation_checkpointing", "activation_checkpointing_kwargs"})
 
 ASYNC_GRPO_CONFIG_OPTIONS = _rules({
-    "model_init_kwargs": (R, "a model it leaves with attention_dropout > 0 is refused while disable_dropout=True (trainer.check_training_dropout)"),
+    "model_init_kwargs": GRPO_CONFIG_OPTIONS["model_init_kwargs"],
     "dtype": (I, "the trained model's dtype; the server's own --dtype opens the gap logged as mismatch/*"),
-    "trust_remote_code": (I, "how the model and its processor are loaded"),
-    "router_aux_loss_coef": (R, "an MoE auxiliary loss that would not train (reentrant gradient checkpointing) is refused: moe.refuse_untrained_aux_loss"),
-    "num_generations": (I, "completions per prompt, and the group the advantages are normalised over"),
+    "trust_remote_code": GRPO_CONFIG_OPTIONS["trust_remote_code"],
+    "router_aux_loss_coef": GRPO_CONFIG_OPTIONS["router_aux_loss_coef"],
+    "num_generations": GRPO_CONFIG_OPTIONS["num_generations"],
     "max_completion_length": (I, "the worker's max_tokens for each turn"),
     "temperature": (R, "<= 0 and < 0.01 are refused (vLLM samples greedily, or at 0.01); otherwise the server samples at it and pi divides by it"),
     "top_p": (R, "< 1 is refused (AsyncDPPOConfig, config.refuse_vllm_truncated_sampling): vLLM reports the truncated mu"),
@@ -232,15 +232,15 @@ ASYNC_GRPO_CONFIG_OPTIONS = _rules({
     "request_timeout": (I, "the worker's per-request timeout"),
     "weight_sync_timeout": (I, "bounds TRL's full-weight transfer"),
     "epsilon": (C, "PPO's ratio clip: read by the trust regions that clip and the ppo_clipped diagnostics; not DPPO's threshold (it warns)"),
-    "epsilon_high": (C, "PPO's upper ratio clip: read by the trust regions that clip and the ppo_clipped diagnostics; not DPPO's threshold (it warns)"),
+    "epsilon_high": GRPO_CONFIG_OPTIONS["epsilon_high"],
     "token_budget": (I, "tokens per training batch"),
     "max_inflight_tasks": (I, "the worker's concurrent requests"),
     "max_staleness": (I, "samples older than it are dropped; younger ones are judged against their own mu, and their lag logged (staleness/*)"),
     "queue_maxsize": (I, "the rollout queue's size"),
     "weight_sync_steps": (I, "optimizer steps between syncs; the lag is counted in updates"),
     "heartbeat_stale_after_s": (C, "also bounds a silent server's /health and the adapter probe's request (AsyncDPPOTrainer)"),
-    "log_completions": (I, "logging"),
-    "num_completions_to_print": (I, "logging"),
+    "log_completions": GRPO_CONFIG_OPTIONS["log_completions"],
+    "num_completions_to_print": GRPO_CONFIG_OPTIONS["num_completions_to_print"],
 })  # fmt: skip
 
 # Every field of vLLM's SamplingParams (vLLM 0.31), which `generation_kwargs` reaches with use_vllm=True: the colocated

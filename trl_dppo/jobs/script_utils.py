@@ -35,6 +35,7 @@ __all__ = [
     "run_job",
     "with_model_init_kwargs",
     "summarize_log_history",
+    "checkpoint_to_resume",
     "train_and_report",
     "use_hub_offline",
     "write_run_outputs",
@@ -253,6 +254,14 @@ def run_job(main: Callable[..., Any], parser: Any, defaults: Mapping[str, Any], 
     return result
 
 
+def checkpoint_to_resume(resume_from_checkpoint: str | None) -> str | bool | None:
+    """`--resume_from_checkpoint` as `Trainer.train` takes it: `true` (any case) for the last checkpoint in
+    `output_dir`, else the checkpoint folder named, else None."""
+    if resume_from_checkpoint is not None and resume_from_checkpoint.lower() == "true":
+        return True
+    return resume_from_checkpoint
+
+
 def train_and_report(
     trainer: Any, label: str, model: str, data: str, extra: Mapping[str, Any], start: float, model_note: str = ""
 ) -> dict[str, Any] | None:
@@ -275,7 +284,7 @@ def train_and_report(
         f"{label} | model: {model}{model_note} | device: {device} | data: {data} | steps: {args.max_steps} | "
         f"output_dir: {args.output_dir}"
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=checkpoint_to_resume(args.resume_from_checkpoint))
     trainer.save_model(args.output_dir)  # the LoRA adapter (a few MB) or the full model
     # TRL's model card (it names DPPO and cites the paper) in place of PEFT's blank template, as checkpoints get it
     trainer.create_model_card(model_name=args.hub_model_id or Path(args.output_dir).name)
