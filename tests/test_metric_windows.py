@@ -29,7 +29,7 @@ MICRO_BATCH_B = [(-1.0, 0.6, 0.6, True)] * 3
 ABS_PROB_DIFF_A, ABS_PROB_DIFF_MAX_A = 0.65 + 0.2, 0.65
 # The inputs are float64 and the sync trainer sums in float64: exp(log p) is p to an ulp, the sums to a few ulps
 FLOAT64_REL = 1e-12
-# The async trainer reduces its sums over processes in float32 (`_log_trust_region`): a few float32 ulps; its counts,
+# The async trainer's per-token inputs are float32 (`staleness.record_sums_by_lag`): a few float32 ulps; its counts,
 # integers below 2**24, stay exact
 FLOAT32_REL = 1e-6
 

@@ -35,7 +35,7 @@ import functools
 import os
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate.utils import broadcast_object_list
@@ -56,15 +56,7 @@ from .adapter_sync import (
 from .async_config import AsyncDPPOConfig
 from .checkpoints import accept_indexed_cpu_device, complete_deepspeed_checkpoint_on_this_machine
 from .datasets_check import check_prompts, first_prompt_rows
-from .diagnostics import (
-    correction_metrics,
-    correction_sums,
-    gather_max,
-    gather_sums,
-    record_trust_region_sums,
-    reduce_dppo_metrics,
-    trust_region_sums,
-)
+from .diagnostics import record_correction_sums, reduce_dppo_metrics
 from .divergence import binary_divergence
 from .extras import INSTALL_VLLM, require_extra
 from .images import refuse_images_in_async_prompts
@@ -73,7 +65,7 @@ from .moe import refuse_untrained_aux_loss
 from .non_finite import StopOnNonFinite
 from .sequences import SequenceLayout
 from .server_watch import ServerWatch
-from .staleness import LAG_BUCKETS, LAG_RATES, lag_rate_name, sums_by_lag, updates_since_sampled
+from .staleness import record_sums_by_lag, updates_since_sampled
 from .trainer import DPPOTrainer, check_training_dropout
 from .tree_attention import register_tree_attention_without_kernel
 from .trust_region_step import TrustRegionSetup, trust_region_step
@@ -492,47 +484,15 @@ class AsyncDPPOTrainer(StopOnNonFinite, AsyncGRPOTrainer):
                 epsilon_low=self.epsilon_low,
                 epsilon_high=self.epsilon_high,
             )
-            sums = self._log_trust_region(tokens, lag[None], diagnostics)
-            if step.corrections:
-                correction_counts = gather_sums(self.accelerator, correction_sums(batch.loss_mask, step.corrections))
-                for name, value in correction_metrics(correction_counts).items():
-                    self._metrics["train"][name].append(value)
+            metrics = self._metrics["train"]
+            sums = record_sums_by_lag(self.accelerator, metrics, lag[None], tokens, diagnostics)
+            record_correction_sums(self.accelerator, metrics, batch.loss_mask, step.corrections)
         # TRL's normalisation of its own term, less the tokens that left the loss
         tokens_per_process = (
             (global_n_tokens - sums["missing_sampler_logps"]) / self.accelerator.num_processes
         ).clamp(min=1.0)
         loss = loss_from_weights(trainer_logps[None], weights * tokens).sum()
         return loss / tokens_per_process / self.current_gradient_accumulation_steps
-
-    def _log_trust_region(
-        self, tokens: torch.Tensor, lag: torch.Tensor, diagnostics: dict[str, Any]
-    ) -> dict[str, float]:
-        """Sum the diagnostics over processes, overall (as DPPOTrainer: `diagnostics.record_trust_region_sums`) and by
-        lag bucket, into TRL's metric sink (rates as (numerator, denominator) pairs, reduced over the logging window
-        by `log`); returns the sums."""
-        counts = trust_region_sums(tokens, **diagnostics)
-        counts.update(sums_by_lag(lag, tokens, **diagnostics))
-        counts["missing_sampler_logps"] = (~tokens).sum()
-        counts["lag"] = (lag * tokens).sum()
-        metrics = self._metrics["train"]
-        base_logps, trainer_logps = diagnostics["base_logps"], diagnostics["trainer_logps"]
-        sums = record_trust_region_sums(self.accelerator, metrics, counts, tokens, base_logps, trainer_logps)
-
-        def rate(name: str, numerator: str, denominator: str) -> None:
-            # Even over no token: a window whose denominators are all 0 logs None (`diagnostics.reduce_window`)
-            metrics[name].append((sums[numerator], sums[denominator]))
-
-        for bucket in LAG_BUCKETS:
-            if sums[lag_rate_name("tokens", bucket)] == 0:  # no sample of this lag: the bucket is left out of the log
-                continue
-            for name, (numerator, denominator) in LAG_RATES.items():
-                in_bucket = lag_rate_name(denominator, bucket) if denominator else "tokens"
-                rate(lag_rate_name(name, bucket), lag_rate_name(numerator, bucket), in_bucket)
-        rate("staleness/lag_mean", "lag", "tokens")
-        metrics["staleness/lag_max"].append(
-            gather_max(self.accelerator, lag[tokens].max() if tokens.any() else lag.new_zeros(()))
-        )
-        return sums
 
     # ------------------------------------------------------------------------------------------- checkpoints
 

@@ -52,6 +52,7 @@ __all__ = [
     "gather_sums",
     "metrics_from_sums",
     "reduce_dppo_metrics",
+    "record_correction_sums",
     "record_trust_region_sums",
     "reduce_window",
     "trust_region_sums",
@@ -257,6 +258,17 @@ def record_trust_region_sums(
     return gathered
 
 
+def record_correction_sums(
+    accelerator, metrics: dict[str, list], mask: torch.Tensor, outputs: dict[str, CorrectionOutput]
+) -> None:
+    """Both trainers' path from what the corrections did in one loss (`outputs`, over the tokens of `mask`) to their
+    metrics, added up over processes (every process calls it) and appended to `metrics`."""
+    if not outputs:
+        return
+    for name, value in correction_metrics(gather_sums(accelerator, correction_sums(mask, outputs))).items():
+        metrics[name].append(value)
+
+
 class TrustRegionDiagnostics:
     """The trainer's diagnostics: metrics per loss computation, the masked-token counts and their checkpoint file.
 
@@ -310,13 +322,7 @@ class TrustRegionDiagnostics:
 
     def record_corrections(self, mode: str, mask: torch.Tensor, outputs: dict[str, CorrectionOutput]) -> None:
         """Log what the corrections did in one loss computation (every process calls it: the sums are gathered)."""
-        if not outputs:
-            return
-        metrics = self.trainer._metrics[mode]
-        for name, value in correction_metrics(
-            gather_sums(self.trainer.accelerator, correction_sums(mask, outputs))
-        ).items():
-            metrics[name].append(value)
+        record_correction_sums(self.trainer.accelerator, self.trainer._metrics[mode], mask, outputs)
 
     def record_truncation_gap(self, mask: torch.Tensor, sampler_logps: torch.Tensor, trainer_logps: torch.Tensor):
         """With `vllm_allow_truncated_sampling`, on the first optimizer step after a generation (the trainer's weights

@@ -10,12 +10,21 @@ lag 0 is always the weights that sampled.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from .diagnostics import RATES, trust_region_sums
+from .diagnostics import RATES, gather_max, record_trust_region_sums, trust_region_sums
 
 
-__all__ = ["LAG_BUCKETS", "LAG_RATES", "lag_rate_name", "sums_by_lag", "updates_since_sampled"]
+__all__ = [
+    "LAG_BUCKETS",
+    "LAG_RATES",
+    "lag_rate_name",
+    "record_sums_by_lag",
+    "sums_by_lag",
+    "updates_since_sampled",
+]
 
 # Policy lag buckets: lag 0, 1, 2, and 3 or more optimizer updates
 LAG_BUCKETS = ("0", "1", "2", "3plus")
@@ -48,6 +57,30 @@ def sums_by_lag(lag: torch.Tensor, mask: torch.Tensor, **tokens: torch.Tensor | 
     for index, label in enumerate(LAG_BUCKETS):
         for name, value in trust_region_sums(mask & (bucket == index), **tokens).items():
             sums[lag_rate_name(name, label)] = value
+    return sums
+
+
+def record_sums_by_lag(
+    accelerator, metrics: dict[str, list], lag: torch.Tensor, mask: torch.Tensor, diagnostics: dict[str, Any]
+) -> dict[str, float]:
+    """The trust-region metrics of one loss, as DPPOTrainer logs them (`diagnostics.record_trust_region_sums`), and
+    the same sums grouped by lag bucket, with the lag's mean and maximum, appended to `metrics` (rates as
+    (numerator, denominator) pairs, reduced over the logging window); returns the sums over processes. `diagnostics`
+    are `trust_region_sums`' arguments but the mask."""
+    counts = trust_region_sums(mask, **diagnostics)
+    counts.update(sums_by_lag(lag, mask, **diagnostics))
+    counts["missing_sampler_logps"] = (~mask).sum()
+    counts["lag"] = (lag * mask).sum()
+    base_logps, trainer_logps = diagnostics["base_logps"], diagnostics["trainer_logps"]
+    sums = record_trust_region_sums(accelerator, metrics, counts, mask, base_logps, trainer_logps)
+    for bucket in LAG_BUCKETS:
+        if sums[lag_rate_name("tokens", bucket)] == 0:  # no sample of this lag: the bucket is left out of the log
+            continue
+        for name, (numerator, denominator) in LAG_RATES.items():
+            in_bucket = lag_rate_name(denominator, bucket) if denominator else "tokens"
+            metrics[lag_rate_name(name, bucket)].append((sums[lag_rate_name(numerator, bucket)], sums[in_bucket]))
+    metrics["staleness/lag_mean"].append((sums["lag"], sums["tokens"]))
+    metrics["staleness/lag_max"].append(gather_max(accelerator, lag[mask].max() if mask.any() else lag.new_zeros(())))
     return sums
 
 
