@@ -73,6 +73,13 @@ class AsyncDPPOConfig(TrustRegionArguments, AsyncGRPOConfig):
                 f"divergence={self.divergence!r} needs the sampler's top-K log-probabilities at every token, and TRL's "
                 "rollout worker asks vLLM for the sampled token's only. Use divergence='binary_tv' or 'binary_kl'."
             )
+        if self.true_divergence_fraction > 0:
+            raise ValueError(
+                f"true_divergence_fraction={self.true_divergence_fraction}: TRL's rollout worker asks vLLM for the "
+                "sampled token's log-probability only, so AsyncDPPOTrainer has no whole distribution to compare. "
+                "Measure the true divergence with DPPOTrainer (transformers generation or vLLM colocate) and "
+                "set true_divergence_fraction=0 here."
+            )
         if get_trust_region(self.trust_region).recomputes_anchor:
             raise ValueError(
                 f"trust_region={self.trust_region!r} clips against pi_old, recomputed by the trainer before a batch's "

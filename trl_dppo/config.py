@@ -145,6 +145,16 @@ class TrustRegionArguments:
             "(its source's)."
         },
     )
+    true_divergence_fraction: float = field(
+        default=0.0,
+        metadata={
+            "help": "Share of each generation batch's completions (drawn with the run's seed) for which the sampler "
+            "keeps its whole next-token distribution mu_base, and the trainer logs, at every optimizer step that "
+            "uses them, the full-vocabulary divergence beside the binary and top-K estimates on the same tokens "
+            "(true_divergence/*, docs/true_divergence.md): how loose the trust region is. 0 (the default) turns it "
+            "off. Costs 4 x vocabulary-size bytes of host memory per recorded token until the next generation."
+        },
+    )
 
     def __new__(cls, *args, **kwargs):
         # The dataclass __init__ would fail on trl.experimental.dppo's names with a bare "unexpected keyword" TypeError
@@ -203,6 +213,13 @@ class TrustRegionArguments:
                 f"neftune_noise_alpha={self.neftune_noise_alpha} adds noise to the embeddings in the training forward "
                 "and not in the sampler's, so pi would be another function than the mu it is compared with, and the "
                 "noise would enter the divergence and pi/mu directly. Set neftune_noise_alpha=None."
+            )
+        if not (
+            isinstance(self.true_divergence_fraction, (int, float)) and 0.0 <= self.true_divergence_fraction <= 1.0
+        ):
+            raise ValueError(
+                f"true_divergence_fraction must be a share of completions in [0, 1], got "
+                f"{self.true_divergence_fraction!r}; 0 turns the true-divergence diagnostic off."
             )
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}.")
@@ -545,6 +562,8 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
                 "them from its Model Runner V2 only, which needs Triton). Use transformers generation "
                 "(use_vllm=False), or set use_rollout_routing_replay=False."
             )
+        if self.true_divergence_fraction > 0:
+            refuse_unrecorded_true_divergence(self)
         if self.use_vllm:
             refuse_vllm_generation_kwargs(self.generation_kwargs)
         if self.use_vllm and not self.vllm_allow_truncated_sampling:
@@ -553,6 +572,32 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
                 "Remove it, use transformers generation (use_vllm=False), which records the untruncated mu, or set "
                 "vllm_allow_truncated_sampling=True to accept the spurious divergence (logged as truncation/*).",
             )
+
+
+def refuse_unrecorded_true_divergence(config: DPPOConfig) -> None:
+    """Refuse `true_divergence_fraction` > 0 on the generation paths that cannot record the sampler's whole
+    distribution mu_base (the trainer refuses a `rollout_func`, tools and environments)."""
+    reason = None
+    if config.use_vllm and config.vllm_mode == "server":
+        reason = (
+            "TRL's client asks a vLLM server for one number of log-probabilities for every completion of a request, "
+            "so the server would return whole distributions for all of them. Use vllm_mode='colocate' or "
+            "transformers generation (use_vllm=False) to measure the true divergence"
+        )
+    elif config.use_vllm and config.vllm_allow_truncated_sampling:
+        reason = (
+            "with vllm_allow_truncated_sampling=True vLLM reports the truncated distribution, not mu_base, which the "
+            "divergence is measured on. Set vllm_allow_truncated_sampling=False, or use transformers generation "
+            "(use_vllm=False), which records mu_base under truncation"
+        )
+    elif config.use_vllm and config.vllm_tensor_parallel_size > 1:
+        reason = (
+            "with vllm_tensor_parallel_size > 1 every process of a tensor-parallel group generates the group's "
+            "completions, and the completions chosen would have to agree across them. Set "
+            "vllm_tensor_parallel_size=1"
+        )
+    if reason is not None:
+        raise ValueError(f"true_divergence_fraction={config.true_divergence_fraction} is not recorded here: {reason}.")
 
 
 def refuse_vllm_truncated_sampling(config: Any, remedy: str) -> None:

@@ -19,6 +19,8 @@ The metrics (see docs/metrics.md):
 - `corrections/<name>/*` (with `trust_region_corrections`, `corrections.py`): for a mask or truncation the loss tokens
   it removed or truncated (`token_fraction`) and the completions with any (`sequence_fraction`); for the KL penalty
   its mean value per loss token (`penalty_mean`).
+- `true_divergence/*` (with `true_divergence_fraction`, `true_divergence.py`): the full-vocabulary divergence beside
+  the binary and top-K estimates on the recorded tokens, and what it says about the mask's decisions.
 
 Over a logging window every rate is the window's numerator over its denominator, every maximum the window's and every
 count the window's total (`reduce_window`): each loss logs a rate as a (numerator, denominator) pair, and both trainers'
@@ -37,6 +39,7 @@ from transformers import TrainerCallback
 
 from .corrections import CorrectionOutput
 from .losses import LOG_RATIO_LIMIT, ratio_clip_keep
+from .true_divergence import TRUE_DIVERGENCE_RATES
 
 
 __all__ = [
@@ -87,6 +90,7 @@ METRIC_PREFIXES = (
     "corrections/",
     "routing/",
     "weight_sync/",
+    "true_divergence/",
 )
 # Of those, the maxima (the window's largest) and the counts (the window's total; also every `tokens_by_mu/*`); every
 # other one is a rate, logged as a (numerator, denominator) pair
@@ -103,6 +107,7 @@ COUNTS = frozenset(
     {
         "trust_region/ratio_limited_tokens",
         "mismatch/missing_sampler_logps",
+        "true_divergence/recorded_tokens",
         "weight_sync/checked_parameters",
         "weight_sync/mismatched_parameters",
         "weight_sync/unchecked",
@@ -323,6 +328,15 @@ class TrustRegionDiagnostics:
     def record_corrections(self, mode: str, mask: torch.Tensor, outputs: dict[str, CorrectionOutput]) -> None:
         """Log what the corrections did in one loss computation (every process calls it: the sums are gathered)."""
         record_correction_sums(self.trainer.accelerator, self.trainer._metrics[mode], mask, outputs)
+
+    def record_true_divergence(self, mode: str, sums: dict[str, torch.Tensor]) -> None:
+        """Log one loss computation's `true_divergence_sums` (every process calls it: they are gathered), as the rates
+        of `TRUE_DIVERGENCE_RATES` and the count of recorded tokens."""
+        gathered = gather_sums(self.trainer.accelerator, sums)
+        metrics = self.trainer._metrics[mode]
+        for name, (numerator, denominator) in TRUE_DIVERGENCE_RATES.items():
+            metrics[name].append((gathered[numerator], gathered[denominator]))
+        metrics["true_divergence/recorded_tokens"].append(gathered["tokens"])
 
     def record_truncation_gap(self, mask: torch.Tensor, sampler_logps: torch.Tensor, trainer_logps: torch.Tensor):
         """With `vllm_allow_truncated_sampling`, on the first optimizer step after a generation (the trainer's weights

@@ -155,6 +155,9 @@ class SamplerRecords:
     # With router replay: per completion, in generation order, the tokens the sampler forwarded `(n,)` and the experts
     # it routed each of them to `(n, layers, k)` int16 (`moe.py`)
     routes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # With `true_divergence_fraction`: per completion, in generation order, its tokens `(n,)` and, for the completions
+    # chosen, log mu_base over the whole vocabulary at each of them `(n, V)` float32 on the CPU (else None)
+    distributions: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
 
     def add(
         self,
@@ -254,6 +257,38 @@ class SamplerRecords:
             if sequence.numel() != experts.size(0):
                 raise ValueError(f"{experts.size(0)} routes recorded for {sequence.numel()} tokens.")
             self.routes.append((sequence.to("cpu", torch.int64), experts.to("cpu", torch.int16)))
+
+    def add_distributions(self, tokens: list[torch.Tensor], distributions: list[torch.Tensor | None]) -> None:
+        """Keep one generation call's whole-vocabulary records: per completion, its tokens `(n,)` and log mu_base at
+        each `(n, V)`, or None for a completion not chosen."""
+        for sequence, logps in zip(tokens, distributions, strict=True):
+            if logps is not None and logps.size(0) != sequence.numel():
+                raise ValueError(f"{logps.size(0)} distributions recorded for {sequence.numel()} tokens.")
+            self.distributions.append((sequence.to("cpu", torch.int64), None if logps is None else logps.cpu()))
+
+    def batch_distributions(self, completion_ids: torch.Tensor) -> list[torch.Tensor | None]:
+        """Per completion of the batch `(B, T)`, its recorded log mu_base `(n, V)` over its first n tokens, or None;
+        consumes them. A list of B, which GRPOTrainer's shuffles and splits carry with the batch, so the records are
+        freed with the batch at the next generation. Raises `MissingRecordsError` unless each completion has a record
+        made for its own tokens."""
+        B = completion_ids.size(0)
+        if len(self.distributions) != B:
+            raise MissingRecordsError(
+                f"{len(self.distributions)} whole-vocabulary records for the batch's {B} completions: "
+                "true_divergence_fraction needs one per completion, made by one generation call each."
+            )
+        completion_ids = completion_ids.cpu()
+        out = []
+        for b, (tokens, logps) in enumerate(self.distributions):
+            if not torch.equal(completion_ids[b, : tokens.numel()], tokens):
+                raise MissingRecordsError(
+                    f"The whole-vocabulary record of completion {b} of the batch was made for other tokens than the "
+                    "batch's (a rollout path that reorders or rewrites completions after generation): comparing it "
+                    "with the trainer's distributions would measure another sequence."
+                )
+            out.append(logps)
+        self.distributions = []
+        return out
 
     def batch_routes(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor):
         """The routes `(B, P + C, layers, k)` int16 laid out like the batch's `cat(prompt_ids, completion_ids)`

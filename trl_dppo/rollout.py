@@ -136,11 +136,17 @@ class SamplerLogprobRecorder:
     once sampled, so a step's scores wait until the next step shows the sampled token; `finish` resolves the last
     step. The records go into buffers `(batch, max_steps, ...)` on the model's device, allocated at the first step, so
     each step writes a column and `finish` hands them to the store without stacking.
+
+    With `choose` (`true_divergence_fraction`), `choose(batch)` says at the first step which of the call's completions
+    keep log mu_base over the whole vocabulary at each step (a `(chosen, max_steps, V)` buffer), for the true
+    divergence (`true_divergence.py`).
     """
 
-    def __init__(self, topk: int = 0, temperature: float = 1.0):
+    def __init__(self, topk: int = 0, temperature: float = 1.0, choose: Callable[[int], torch.Tensor] | None = None):
         self.topk = topk
         self.temperature = temperature
+        self.choose = choose
+        self._chosen: torch.Tensor | None = None  # (batch,) bool, the completions whose distributions are kept
         self.with_base = False
         self.max_steps = 0
         self.steps = 0
@@ -170,12 +176,12 @@ class SamplerLogprobRecorder:
     def _read_processed(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
         self._resolve(input_ids[:, -1])
         if not self._buffers:
-            self._allocate(scores.size(0), scores.device)
+            self._allocate(scores.size(0), scores.size(-1), scores.device)
         scores = scores.float()  # `_sample` hands float32 scores: no copy, and nothing changes them after this hook
         self._pending = ((scores, scores.logsumexp(-1, keepdim=True)), self._raw)
         self._raw = None
 
-    def _allocate(self, batch: int, device: torch.device) -> None:
+    def _allocate(self, batch: int, vocab: int, device: torch.device) -> None:
         shape = (batch, self.max_steps)
         self._buffers["sampled"] = torch.empty(shape, device=device)
         if self.with_base:
@@ -183,6 +189,10 @@ class SamplerLogprobRecorder:
         if self.topk:
             self._buffers["kept_ids"] = torch.empty(*shape, self.topk + 1, dtype=torch.int32, device=device)
             self._buffers["kept_logps"] = torch.empty(*shape, self.topk + 1, device=device)
+        if self.choose is not None:
+            self._chosen = self.choose(batch).to(device)
+            chosen = int(self._chosen.sum())
+            self._buffers["distributions"] = torch.empty(chosen, self.max_steps, vocab, device=device)
 
     def _resolve(self, tokens: torch.Tensor) -> None:
         if self._pending is None:
@@ -198,6 +208,9 @@ class SamplerLogprobRecorder:
             top_scores, top_ids = (scores if base is None else base[0]).topk(self.topk, dim=-1)
             self._buffers["kept_ids"][:, step, :-1] = top_ids  # the last slot is filled in `finish`, all at once
             self._buffers["kept_logps"][:, step, :-1] = top_scores - (lse if base is None else base[1])
+        if self._chosen is not None and self._chosen.any():  # mu_base over the whole vocabulary
+            logits, logsumexp = (scores, lse) if base is None else base
+            self._buffers["distributions"][:, step] = logits[self._chosen] - logsumexp[self._chosen]
         self.steps += 1
         self._pending = None
 
@@ -218,6 +231,8 @@ class SamplerLogprobRecorder:
                 "`generate` reach transformers' own (a wrapper should call the one it replaces), or return the "
                 "sampler's log-probabilities from a `rollout_func`, or use vLLM generation (use_vllm=True)."
             )
+        if self.choose is not None:
+            self._store_distributions(completion_ids, lengths, records)
         if self.steps == 0:
             return [[] for _ in completion_ids]
         records_of = {key: buffer[:, : self.steps] for key, buffer in self._buffers.items()}
@@ -234,6 +249,20 @@ class SamplerLogprobRecorder:
         for row, length in zip(values, lengths, strict=True):
             del row[length:]
         return values
+
+    def _store_distributions(self, completion_ids: list, lengths: list[int], records: SamplerRecords) -> None:
+        """Hand each completion's whole-vocabulary records (its first `length` steps; None when not chosen) to the
+        store, one completion at a time to the CPU."""
+        distributions = self._buffers.pop("distributions", None)
+        chosen = self._chosen.tolist() if self._chosen is not None else [False] * len(lengths)
+        self._chosen = None
+        rows = itertools.count()
+        kept = [
+            distributions[next(rows), :length].cpu() if keep else None
+            for keep, length in zip(chosen, lengths, strict=True)
+        ]
+        tokens = [torch.as_tensor(list(ids), dtype=torch.int64) for ids in completion_ids]
+        records.add_distributions(tokens, kept)
 
 
 def _complete_recorded_kept_sets_(records_of: dict[str, torch.Tensor], completion_ids: list, lengths: list[int]):

@@ -15,6 +15,8 @@ head's weight outside the head's forward pass.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from accelerate.utils import DistributedType
@@ -22,14 +24,25 @@ from torch.distributed.tensor import DTensor
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 
-__all__ = ["check_topk_sharding", "check_topk_support", "lm_head_kept_logps", "topk_logps_from_hidden"]
+__all__ = [
+    "check_topk_sharding",
+    "check_topk_support",
+    "gathered_lm_head",
+    "lm_head_kept_logps",
+    "topk_logps_from_hidden",
+]
 
 # Per chunk, the gathered LM-head rows take positions x (K + 2) x hidden x 4 bytes; this bounds that transient.
 _CHUNK_BYTES = 4 * 2**20
 
 
-def check_topk_support(causal_lm: torch.nn.Module) -> None:
-    """Raise if the model's logits are not `lm_head(h)` alone, or if the LM head carries an adapter."""
+def check_topk_support(
+    causal_lm: torch.nn.Module,
+    needed_by: str = "The top-K divergence",
+    remedy: str = "Use divergence='binary_tv' or 'binary_kl'.",
+) -> None:
+    """Raise if the model's logits are not `lm_head(h)` alone, or if the LM head carries an adapter. `needed_by` names
+    what reads the LM head (in the error), `remedy` what to set instead."""
     config = causal_lm.config.get_text_config()
     for name in (
         "final_logit_softcapping",
@@ -41,25 +54,28 @@ def check_topk_support(causal_lm: torch.nn.Module) -> None:
         value = getattr(config, name, None)
         if value is not None and value != 1.0:
             raise ValueError(
-                f"The top-K divergence needs logits equal to lm_head(hidden), but this model's config sets "
-                f"{name}={value}. Use divergence='binary_tv' or 'binary_kl'."
+                f"{needed_by} needs logits equal to lm_head(hidden), but this model's config sets {name}={value}. "
+                f"{remedy}"
             )
     head = causal_lm.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise ValueError(
-            "The top-K divergence reads the LM head's weight directly, but the LM head is "
-            f"{type(head).__name__} (an adapter on lm_head?). Remove lm_head from the adapter's target modules, or "
-            "use a binary divergence."
+            f"{needed_by} reads the LM head's weight directly, but the LM head is {type(head).__name__} (an adapter "
+            f"on lm_head?). Remove lm_head from the adapter's target modules. {remedy}"
         )
 
 
-def check_topk_sharding(accelerator) -> None:
-    """Raise under FSDP1, whose LM head `lm_head_kept_logps` cannot gather (FSDP2 and DeepSpeed ZeRO-3 it can)."""
+def check_topk_sharding(
+    accelerator,
+    needed_by: str = "The top-K divergence",
+    remedy: str = "Use a binary divergence ('binary_tv', 'binary_kl').",
+) -> None:
+    """Raise under FSDP1, whose LM head `gathered_lm_head` cannot gather (FSDP2 and DeepSpeed ZeRO-3 it can)."""
     if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
         raise ValueError(
-            "The top-K divergence reads the LM head's weight outside its forward pass; under FSDP1 that weight is a "
-            "flat shard it cannot gather. Use FSDP2 (`fsdp_version: 2`, examples/accelerate_configs/fsdp2.yaml), "
-            "DeepSpeed ZeRO, or a binary divergence ('binary_tv', 'binary_kl')."
+            f"{needed_by} reads the LM head's weight outside its forward pass; under FSDP1 that weight is a flat "
+            "shard it cannot gather. Use FSDP2 (`fsdp_version: 2`, examples/accelerate_configs/fsdp2.yaml) or "
+            f"DeepSpeed ZeRO. {remedy}"
         )
 
 
@@ -103,6 +119,20 @@ def topk_logps_from_hidden(
     return out.view(B, T, k)
 
 
+@contextmanager
+def gathered_lm_head(head: torch.nn.Linear) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The weight and bias of the model's LM head `head`, whole, read outside its forward pass, for the block.
+
+    Sharding engines hold a parameter whole only around its module's forward pass. DeepSpeed ZeRO-3 leaves an empty
+    tensor behind (gathered by TRL's `maybe_gather_lm_head_ctx`); FSDP2 a `DTensor` holding this process's rows of
+    the vocabulary, when the head's group reshards after forward (`full_tensor()` all-gathers it). Either way the
+    transient is the head's `(V, H)` weight, as in the forward pass itself. Both gathers are collective: every
+    process enters the block once per loss computation.
+    """
+    with maybe_gather_lm_head_ctx(head.weight, head.bias):
+        yield tuple(p.full_tensor() if isinstance(p, DTensor) else p for p in (head.weight, head.bias))
+
+
 def lm_head_kept_logps(
     head: torch.nn.Linear,
     hidden: torch.Tensor,
@@ -111,14 +141,7 @@ def lm_head_kept_logps(
     kept_ids: torch.Tensor,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """`topk_logps_from_hidden` with the weight and bias of the model's LM head `head`, read outside its forward pass.
-
-    Sharding engines hold a parameter whole only around its module's forward pass. DeepSpeed ZeRO-3 leaves an empty
-    tensor behind (gathered by TRL's `maybe_gather_lm_head_ctx`); FSDP2 a `DTensor` holding this process's rows of
-    the vocabulary, when the head's group reshards after forward (`full_tensor()` all-gathers it). Either way the
-    transient is the head's `(V, H)` weight, as in the forward pass itself, never `(B, T, V)` logits. Both gathers
-    are collective: every process calls this once per loss computation, as it computes the loss.
-    """
-    with maybe_gather_lm_head_ctx(head.weight, head.bias):
-        weight, bias = (p.full_tensor() if isinstance(p, DTensor) else p for p in (head.weight, head.bias))
+    """`topk_logps_from_hidden` with the weight and bias of the model's LM head `head` (`gathered_lm_head`: every
+    process calls this once per loss computation), never `(B, T, V)` logits."""
+    with gathered_lm_head(head) as (weight, bias):
         return topk_logps_from_hidden(hidden, weight, bias, sampled_ids, sampled_logps, kept_ids, temperature)

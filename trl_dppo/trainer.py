@@ -80,7 +80,8 @@ from .rollout import (
     recording_generate,
 )
 from .server_watch import ServerWatch
-from .topk import check_topk_sharding, check_topk_support, lm_head_kept_logps
+from .topk import check_topk_sharding, check_topk_support, gathered_lm_head, lm_head_kept_logps
+from .true_divergence import divergences_from_hidden, true_divergence_sums
 from .trust_region_step import TrustRegionSetup, trust_region_step
 from .trust_regions import TrustRegion, TrustRegionInput
 from .vllm_server import refuse_unprocessed_logprobs, refuse_weight_transfer_without_cuda
@@ -108,6 +109,25 @@ SERVER_RESTART_EXAMPLE = (
     """--weight-transfer-config '{{"backend": "nccl"}}'\n\n"""
     "(`trl vllm-serve --model {model}` starts the same server with these flags)."
 )
+
+
+def refuse_unrecorded_distributions(args: DPPOConfig, rollout_func, tools, environment_factory) -> None:
+    """Refuse `true_divergence_fraction` > 0 with a generation path that hands the trainer no whole distributions
+    (`DPPOConfig` refuses the vLLM settings that record none)."""
+    if rollout_func is not None:
+        path = "a rollout_func returns the sampled tokens' log-probabilities only"
+    elif tools or environment_factory:
+        path = (
+            "with tools or environments each turn is a generation call of its own and TRL stitches the turns, so no "
+            "record covers a completion"
+        )
+    else:
+        return
+    raise ValueError(
+        f"true_divergence_fraction={args.true_divergence_fraction} needs the sampler's whole next-token "
+        f"distribution at the recorded tokens, and {path}. Set true_divergence_fraction=0, or measure it on a run "
+        "with transformers or colocated vLLM generation."
+    )
 
 
 def check_training_dropout(model: torch.nn.Module, disable_dropout: bool) -> None:
@@ -217,6 +237,8 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
                 "max_completion_length=None with tools or an environment: TRL measures each turn against the "
                 "completion budget max_completion_length, which must then be a number. Set max_completion_length."
             )
+        if args.true_divergence_fraction > 0:
+            refuse_unrecorded_distributions(args, rollout_func, tools, environment_factory)
         if args.use_vllm and args.vllm_mode == "server":
             refuse_images_in_server_mode(train_dataset)
         if args.use_vllm:  # after the refusals that do not depend on it, before TRL's, which names TRL's extra
@@ -254,6 +276,13 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
                     "returns only the sampled token's log-probability, so the top-K divergence would read 0 and mask "
                     "nothing. Use a binary divergence (divergence='binary_tv' or 'binary_kl') with a rollout_func."
                 )
+        # With `true_divergence_fraction`: draws the completions whose whole distributions the sampler keeps
+        self._true_divergence_draws = None
+        if args.true_divergence_fraction > 0:
+            remedy = "Set true_divergence_fraction=0."
+            check_topk_support(self._causal_lm(), "true_divergence_fraction", remedy)
+            check_topk_sharding(self.accelerator, "true_divergence_fraction", remedy)
+            self._true_divergence_draws = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         # Hooks on the MoE routers that replay the sampler's routes in the loss's forward (`use_rollout_routing_replay`)
         self._route_replay = RouteReplay(self._check_router_replay()) if args.use_rollout_routing_replay else None
         self._loss_context: _LossContext | None = None  # set while a loss is computed (`_computing_loss`)
@@ -376,7 +405,7 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        recorder = SamplerLogprobRecorder(self.args.recorded_topk, self.temperature)
+        recorder = SamplerLogprobRecorder(self.args.recorded_topk, self.temperature, self._true_divergence_choice())
         routing = RoutingRecorder(self._route_replay.routers) if self._route_replay else None
         model = self.accelerator.unwrap_model(self.model_wrapped)
         with (
@@ -391,6 +420,14 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
         if routing is not None:
             records.add_routes(*routing.sequence_routes(prompt_ids, completion_ids))
         return completion_ids, recorder.finish(completion_ids, records)
+
+    def _true_divergence_choice(self) -> Callable[[int], torch.Tensor] | None:
+        """With `true_divergence_fraction`, the draw of which of a generation call's `n` completions keep their whole
+        distributions: `(n,)` bool, from the run's seed (one generator per process)."""
+        if self._true_divergence_draws is None:
+            return None
+        fraction = self.args.true_divergence_fraction
+        return lambda n: torch.rand(n, generator=self._true_divergence_draws) < fraction
 
     def _current_sampler_records(self) -> SamplerRecords:
         if self._sampler_records is None:
@@ -434,6 +471,9 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
             except MissingRecordsError as error:
                 raise MissingRecordsError(f"{error} Generation path: {self._generation_path()}.") from None
             output.update(records)
+            if self._true_divergence_draws is not None:
+                # A list per completion, which GRPOTrainer's shuffles and splits carry: freed with the batch
+                output["sampler_distributions"] = self._sampler_records.batch_distributions(output["completion_ids"])
             if self._route_replay:
                 routes = self._sampler_records.batch_routes(
                     output["prompt_ids"], output["prompt_mask"], output["completion_ids"]
@@ -499,8 +539,8 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
             )
         hidden = []
         handle = None
-        if self.args.recorded_topk:
-            # The hidden states feeding the fused LM head, for pi at the kept ids (see topk.py)
+        if self.args.recorded_topk or self._true_divergence_draws is not None:
+            # The hidden states feeding the fused LM head, for pi at the kept ids (see topk.py) or over the vocabulary
             backbone = self._causal_lm().base_model
             handle = backbone.register_forward_hook(lambda m, a, out: hidden.append(out.last_hidden_state.detach()))
         if self._route_replay and self._is_policy(model):
@@ -633,8 +673,56 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
             context.missing_sampler_logps,
         )
         self.diagnostics.record_corrections(mode, mask, step.corrections)
+        if self._true_divergence_draws is not None:
+            self._record_true_divergence(mode, inputs, batch, step.dppo_keep, hidden)
         if at_sync and self.use_vllm and self.args.vllm_allow_truncated_sampling:
             self.diagnostics.record_truncation_gap(mask, sampler_logps, trainer_logps)
+
+    @torch.no_grad()
+    def _record_true_divergence(
+        self, mode: str, inputs: dict[str, Any], batch: TrustRegionInput, dppo_keep: torch.Tensor, hidden: torch.Tensor
+    ) -> None:
+        """With `true_divergence_fraction`: on the loss tokens whose completion the sampler kept whole distributions of,
+        the trainer's pi over the vocabulary from the LM head on the hooked hidden states, compared with them
+        (`true_divergence.py`), and logged. Every process calls it (the LM head's gather and the sums are
+        collective), recorded tokens or not."""
+        rows, positions, sampler = [], [], []
+        for b, logps in enumerate(inputs["sampler_distributions"]):
+            if logps is None:
+                continue
+            recorded = batch.loss_mask[b, : logps.size(0)].nonzero().squeeze(-1)
+            rows.append(torch.full_like(recorded, b))
+            positions.append(recorded)
+            sampler.append(logps[recorded.cpu()])
+        head = self._causal_lm().get_output_embeddings()
+        if rows:
+            rows, positions, sampler = torch.cat(rows), torch.cat(positions), torch.cat(sampler)
+        else:
+            rows = positions = torch.zeros(0, dtype=torch.long, device=hidden.device)
+            sampler = torch.zeros(0, head.out_features)
+        with gathered_lm_head(head) as (weight, bias):
+            divergences = divergences_from_hidden(
+                hidden[rows, positions],
+                weight,
+                bias,
+                sampler,
+                inputs["completion_ids"][rows, positions],
+                self.args.divergence_topk,
+                self.temperature,
+            )
+        setup = self._trust_region
+        sums = true_divergence_sums(
+            divergences,
+            batch.divergence[rows, positions],
+            dppo_keep[rows, positions],
+            batch.base_logps[rows, positions],
+            batch.trainer_logps[rows, positions],
+            batch.advantages.expand_as(batch.loss_mask)[rows, positions],
+            setup.kind,
+            setup.delta_low,
+            setup.delta_high,
+        )
+        self.diagnostics.record_true_divergence(mode, sums)
 
     # ------------------------------------------------------------------------------------------- checkpoints
 
