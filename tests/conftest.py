@@ -139,6 +139,16 @@ def tiny_model_logprob_atol(tokenizer, logps: torch.Tensor) -> float:
     return forward_logprob_atol(len(tokenizer), magnitude, 32, 2, TINY_LOGIT_SIZE)
 
 
+def tiny_model_tv_floor(vocab_size: int) -> float:
+    """The total variation between two float32 forward passes of build_tiny_model's default model on the same tokens
+    (the sampler's, cached, and the trainer's): each log-probability down to log p = -30 differs by at most
+    `forward_logprob_atol` (d), so each p by at most p * (e^d - 1) and TV = sum |dp| / 2 by at most e^d - 1 ~ d; the
+    tokens below e^-30 hold at most V e^-30 of the mass (5e-9 at V = 49,152). 3.3e-4, far below the 1e-2 and up an
+    update moves it by (seen: 1e-7)."""
+    d = forward_logprob_atol(vocab_size, 30.0, 32, 2, TINY_LOGIT_SIZE)
+    return math.expm1(d) + vocab_size * math.exp(-30)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return smollm2_tokenizer()

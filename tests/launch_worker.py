@@ -90,7 +90,9 @@ def stack_rows(batches: list[dict]) -> dict:
     widths = {key: max(b[key].size(1) for b in batches) for key in COMPLETION_PADDING if key in batches[0]}
     stacked = {}
     for key, first in batches[0].items():
-        if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        if isinstance(first, list):  # a value per completion (true_divergence_fraction's distributions)
+            stacked[key] = [value for b in batches for value in b[key]]
+        elif not isinstance(first, torch.Tensor) or first.dim() == 0:
             stacked[key] = first  # num_items_in_batch: already the global count
         elif key in widths:
             pad = [

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
+from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from trl_dppo import DPPOTrainer
 
@@ -51,6 +53,19 @@ def test_rollout_logprobs_are_threaded_into_the_batch():
     src = source(GRPOTrainer._generate_and_score_completions)
     assert 'output["sampling_per_token_logps"] = sampling_per_token_logps' in src
     assert "if sampling_per_token_logps is not None:" in src
+
+
+def test_a_list_per_completion_travels_with_the_buffered_batch_until_the_next_generation():
+    """`_generate_and_score_completions` override with `true_divergence_fraction`: the whole-vocabulary records are a
+    list per completion in the batch, which GRPOTrainer's shuffle and split carry row for row, and its buffer of
+    training batches is rebuilt only after a new generation (the override drops the old records when one starts)."""
+    batch = {"rows": torch.arange(6), "per_row": [torch.full((1,), i) for i in range(6)], "count": torch.tensor(6)}
+    for part in split_tensor_dict(shuffle_sequence_dict(batch), 3):
+        assert [int(value) for value in part["per_row"]] == part["rows"].tolist()
+    src = source(GRPOTrainer._prepare_inputs)
+    assert "generation_batch = self._generate_and_score_completions(generation_batch)" in src
+    assert "self._buffered_inputs = [" in src
+    assert "inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]" in src
 
 
 def test_scoring_and_loss_forwards_go_through_get_per_token_logps():

@@ -14,18 +14,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .conftest import assert_updates_agree, require_deepspeed, run_launch_worker, tiny_model_logprob_atol
+from .conftest import (
+    assert_updates_agree,
+    require_deepspeed,
+    run_launch_worker,
+    tiny_model_logprob_atol,
+    tiny_model_tv_floor,
+)
 
 
 require_deepspeed()
 # The module's fixture makes five launches and a replay: 112 s in .ci/run beside its other stream (2 cores)
 pytestmark = [pytest.mark.slow, pytest.mark.launch, pytest.mark.timeout(900)]
 
+# Two cells also measure the true divergence (`true_divergence_fraction`): LoRA with binary, full fine-tuning with top-K
+TRUE_DIVERGENCE = {"true_divergence_fraction": 1.0}
 SGD_CELLS = {
-    "binary_tv-lora": {"divergence": "binary_tv"},
+    "binary_tv-lora": {"divergence": "binary_tv", **TRUE_DIVERGENCE},
     "topk_tv-lora": {"divergence": "topk_tv"},
     "binary_tv-full": {"divergence": "binary_tv", "lora": False},
-    "topk_tv-full": {"divergence": "topk_tv", "lora": False},
+    "topk_tv-full": {"divergence": "topk_tv", "lora": False, **TRUE_DIVERGENCE},
 }
 # With optimizer offload accelerate hands DeepSpeed its CPU Adam in place of a torch optimizer (AdamW mode for torch's
 # AdamW, Adam for any other, SGD included): these cells train with torch's AdamW, which one process replays. An eps far
@@ -111,3 +119,22 @@ def test_zero_makes_the_update_one_process_makes_from_the_same_batches(runs, lau
         torch.testing.assert_close(replayed["before"][param], before, rtol=0, atol=0)
     assert run["optimizer"] == ("DeepSpeedCPUAdam" if name in ADAM_CELLS else "SGD")
     assert_updates_agree(run["before"], replayed["update"], run["update"])
+
+
+TRUE_DIVERGENCE_RUNS = [(launch, name) for launch, name in RUNS if "true_divergence_fraction" in CELLS[name]]
+
+
+@pytest.mark.parametrize("launch, name", TRUE_DIVERGENCE_RUNS, ids=[run_name(*run) for run in TRUE_DIVERGENCE_RUNS])
+def test_zero_measures_the_true_divergence_one_process_measures_on_the_same_batches(runs, launch, name, tokenizer):
+    """Each step samples with the weights it trains (a new generation per step), so the true divergence sits at the
+    float floor of two fp32 forward passes, gathered over both processes' tokens (ZeRO-3: the LM head gathered outside
+    its forward) as one process computes it on the same batches."""
+    two, one = runs
+    floor = tiny_model_tv_floor(len(tokenizer))
+    for entry, replayed in zip(two[run_name(launch, name)]["logs"], one[run_name(launch, name)]["logs"], strict=True):
+        assert entry["true_divergence/recorded_tokens"] == replayed["true_divergence/recorded_tokens"] > 0
+        for metric in ("tv_mean", "binary_tv_mean", "topk_tv_mean"):
+            metric = f"true_divergence/{metric}"
+            assert 0 <= entry[metric] <= floor and 0 <= replayed[metric] <= floor, metric
+        # Each is one float32 forward's difference from the sampler, on the same tokens
+        assert entry["true_divergence/tv_mean"] == pytest.approx(replayed["true_divergence/tv_mean"], abs=2 * floor)

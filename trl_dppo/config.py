@@ -310,6 +310,15 @@ class DPPOConfig(TrustRegionArguments, GRPOConfig):
         log_tokens_by_mu (`bool`, defaults to `False`):
             Also log the token counts per sampler-probability bucket (`tokens_by_mu/<bucket>/{total,masked,
             ppo_clipped}`, 18 series), which `trl-dppo plot` draws as `tokens_by_mu.png`. The shipped jobs turn it on.
+        true_divergence_fraction (`float`, defaults to `0.0`):
+            Share of each generation batch's completions, drawn with the run's seed, for which the sampler keeps its
+            whole next-token distribution mu_base; at every optimizer step that uses them the trainer logs the
+            full-vocabulary TV and KL beside the binary and top-K estimates on the same tokens, and what the true
+            divergence says about the mask's decisions (`true_divergence/*`, drawn by `trl-dppo plot` as
+            `true_divergence.png`; docs/true_divergence.md). 0 turns it off; 0.25 is the recommended share on the main
+            job. Costs 4 x vocabulary-size bytes of host memory per recorded token until the next generation.
+            Transformers generation and vLLM colocate; refused on a vLLM server, with `vllm_allow_truncated_sampling`,
+            `vllm_tensor_parallel_size` > 1, a `rollout_func`, tools and environments, and in AsyncDPPOConfig.
 
         > Mixture of experts
 

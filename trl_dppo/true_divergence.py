@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .divergence import _check_kind, _kl_terms, trust_region_mask
+from .divergence import _check_kind, trust_region_mask
 
 
 __all__ = [
@@ -37,6 +37,16 @@ TRUE_DIVERGENCE_RATES = {
     "true_divergence/caught_fraction": ("caught", "over_delta"),
     "true_divergence/missed_block_fraction": ("missed_block", "tokens"),
 }
+
+
+# Probabilities are floored here inside logarithms (float64's smallest normal), so a KL whose trainer side reaches 0 is
+# large but finite, and a distribution against itself gives 0 exactly
+_TINY = torch.finfo(torch.float64).tiny
+
+
+def _kl_terms(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """p * log(p / q) per outcome in float64, 0 where p = 0."""
+    return torch.xlogy(p, p) - torch.xlogy(p, q.clamp_min(_TINY))
 
 
 def _merged(p: torch.Tensor, q: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
