@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from trl_dppo.jobs.plots import PLOTS, bucket_means, load_log_history, mu_buckets, plot_run
+from trl_dppo.jobs.plots import (
+    PLOTS,
+    bucket_means,
+    load_log_history,
+    mu_buckets,
+    plot_run,
+    true_divergence_summary,
+)
 
 
 PNG_NAMES = sorted(PLOTS)
@@ -19,7 +26,9 @@ PNG_NAMES = sorted(PLOTS)
 BUCKETS = ("<0.001", "0.001-0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9", ">=0.9")
 
 
-def synthetic_log_history(steps: int = 30, buckets: bool = True, seed: int = 0) -> list[dict]:
+def synthetic_log_history(
+    steps: int = 30, buckets: bool = True, true_divergence: bool = True, seed: int = 0
+) -> list[dict]:
     """A log history shaped like DPPOTrainer's: one entry per step, then the Trainer's closing entry."""
     rng = random.Random(seed)
     history = []
@@ -46,9 +55,30 @@ def synthetic_log_history(steps: int = 30, buckets: bool = True, seed: int = 0) 
                 entry[f"tokens_by_mu/{label}/total"] = total
                 entry[f"tokens_by_mu/{label}/masked"] = [0.0, 0.0, 0.0, 1.0, 2.0, 0.5][i]
                 entry[f"tokens_by_mu/{label}/ppo_clipped"] = [2.0, 3.0, 4.0, 2.0, 0.5, 0.0][i]
+        if true_divergence:
+            entry.update(true_divergence_metrics(step, rng))
         history.append(entry)
     history.append({"step": steps, "train_runtime": 12.3, "train_loss": 0.0})
     return history
+
+
+def true_divergence_metrics(step: int, rng: random.Random) -> dict:
+    """`true_divergence/*` as DPPOTrainer logs them with `true_divergence_fraction` > 0 and steps_per_generation=4:
+    near 0 at the first step after each generation (the sampler's weights), binary <= top-K <= true after it."""
+    tv = 1e-6 if step % 4 == 1 else 0.02 * (step % 4) * (1 + rng.random())
+    over = 0.0 if step % 4 == 1 else 0.01 * (step % 4)
+    return {
+        "true_divergence/tv_mean": tv,
+        "true_divergence/kl_mean": 0.5 * tv,
+        "true_divergence/binary_tv_mean": 0.1 * tv,
+        "true_divergence/binary_kl_mean": 0.02 * tv,
+        "true_divergence/topk_tv_mean": 0.9 * tv,
+        "true_divergence/topk_kl_mean": 0.4 * tv,
+        "true_divergence/over_delta_fraction": over,
+        "true_divergence/caught_fraction": None if over == 0 else 0.25,
+        "true_divergence/missed_block_fraction": 0.75 * over,
+        "true_divergence/recorded_tokens": 40.0,
+    }
 
 
 def _assert_pngs(folder: Path, names: list[str]) -> None:
@@ -59,7 +89,7 @@ def _assert_pngs(folder: Path, names: list[str]) -> None:
         assert path.stat().st_size > 5_000, name  # an empty figure is a few kB at most
 
 
-def test_plot_run_writes_the_four_pngs(tmp_path: Path) -> None:
+def test_plot_run_writes_every_png(tmp_path: Path) -> None:
     (tmp_path / "log_history.json").write_text(json.dumps(synthetic_log_history()))
     written = plot_run(tmp_path)
     assert sorted(p.name for p in written) == PNG_NAMES
@@ -80,6 +110,41 @@ def test_missing_bucket_metrics_skip_that_figure(tmp_path: Path, capsys: pytest.
     written = plot_run(synthetic_log_history(buckets=False), tmp_path / "out")
     assert sorted(p.name for p in written) == sorted(set(PNG_NAMES) - {"tokens_by_mu.png"})
     assert "Skipping tokens_by_mu.png" in capsys.readouterr().out
+
+
+def test_missing_true_divergence_metrics_skip_that_figure(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    written = plot_run(synthetic_log_history(true_divergence=False), tmp_path / "out")
+    assert sorted(p.name for p in written) == sorted(set(PNG_NAMES) - {"true_divergence.png"})
+    assert "Skipping true_divergence.png" in capsys.readouterr().out
+    assert true_divergence_summary(synthetic_log_history(true_divergence=False)) is None
+
+
+def test_true_divergence_summary_is_the_rate_over_the_runs_tokens() -> None:
+    """Windows weigh by their recorded tokens (caught_fraction by the tokens past delta), as a window weighs its
+    micro-batches."""
+    history = [
+        {"step": 1, **dict.fromkeys(("true_divergence/tv_mean", "true_divergence/binary_tv_mean"), 0.0)},
+        {"step": 2, "true_divergence/tv_mean": 0.2, "true_divergence/binary_tv_mean": 0.05},
+        {"step": 3, "true_divergence/tv_mean": 0.4, "true_divergence/binary_tv_mean": 0.1},
+    ]
+    for entry, tokens, over, caught in zip(history, (10, 30, 10), (0.0, 0.1, 0.3), (None, 1.0, 0.0), strict=True):
+        entry.update(
+            {
+                "true_divergence/recorded_tokens": float(tokens),
+                "true_divergence/over_delta_fraction": over,
+                "true_divergence/caught_fraction": caught,
+                "true_divergence/missed_block_fraction": over / 2,
+            }
+        )
+    summary = true_divergence_summary(history)
+    assert summary is not None
+    assert summary["recorded_tokens"] == 50 and summary["steps"] == 3
+    assert math.isclose(summary["tv_mean"], (0.2 * 30 + 0.4 * 10) / 50)
+    assert math.isclose(summary["binary_tv_over_tv"], 0.25)
+    assert math.isclose(summary["over_delta_fraction"], 6 / 50)
+    assert math.isclose(summary["caught_fraction"], 3 / 6)  # 3 of the 6 tokens past delta
+    assert math.isclose(summary["missed_block_fraction"], 3 / 50)
+    assert summary["kl_mean"] == 0 and summary["binary_kl_over_kl"] is None  # KLs absent from this log
 
 
 def test_bucket_means_average_over_steps() -> None:

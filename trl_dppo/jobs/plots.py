@@ -11,6 +11,11 @@ OUTPUT_DIR, or in its latest ``checkpoint-*``; a path to either file works too) 
 - ``tokens_by_mu.png``: tokens kept and masked by DPPO per sampler-probability bucket, beside the tokens PPO's ratio
   clip would have blocked, as counts and as fractions of the bucket (where the two trust regions disagree).
   Skipped, with a note, when the log has no ``tokens_by_mu/...`` metrics.
+- ``true_divergence.png`` (runs with ``true_divergence_fraction`` > 0): per step, on the recorded tokens, the
+  full-vocabulary TV beside DPPO's binary and top-K estimates of it, the same for KL, and the shares of tokens whose
+  true divergence is past delta (``over_delta``) and that DPPO's mask kept although the true divergence would block
+  them (``missed_block``), with the share of the former the configured estimate caught (docs/true_divergence.md).
+  Skipped, with a note, when the log has no ``true_divergence/...`` metrics.
 """
 
 from __future__ import annotations
@@ -31,7 +36,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-__all__ = ["bucket_means", "load_log_history", "main", "moving_average", "mu_buckets", "plot_run", "series"]
+__all__ = [
+    "bucket_means",
+    "load_log_history",
+    "main",
+    "moving_average",
+    "mu_buckets",
+    "plot_run",
+    "series",
+    "true_divergence_summary",
+]
 
 
 LogHistory = Sequence[Mapping[str, Any]]
@@ -236,12 +250,122 @@ def plot_tokens_by_mu(history: LogHistory, path: Path) -> Path | None:
     return path
 
 
+# The `true_divergence/*` rates over the recorded tokens (DPPOTrainer's `true_divergence.TRUE_DIVERGENCE_RATES`;
+# `caught_fraction` is a rate over the tokens past delta)
+_TRUE_DIVERGENCE_MEANS = ("tv", "kl", "binary_tv", "binary_kl", "topk_tv", "topk_kl")
+_TRUE_DIVERGENCE_SHARES = ("over_delta_fraction", "missed_block_fraction")
+
+
+def true_divergence_summary(history: LogHistory) -> dict[str, float | None] | None:
+    """The run's ``true_divergence/*`` rates over all its recorded tokens, or None when the log has none.
+
+    Each logged rate is its window's numerator over its denominator, so weighting the windows by their denominators
+    (``true_divergence/recorded_tokens``; for ``caught_fraction`` the tokens past delta) gives the rate over the whole
+    run, by the same rule. Keys: ``recorded_tokens`` (the run's total), ``steps`` (the logged steps with recorded
+    tokens), ``<name>_mean`` for the six divergences, ``over_delta_fraction``, ``missed_block_fraction``,
+    ``caught_fraction`` (None when no token was past delta), and the estimates' shares of the true divergence,
+    ``binary_tv_over_tv``, ``topk_tv_over_tv``, ``binary_kl_over_kl``, ``topk_kl_over_kl``.
+    """
+    if not any(key.startswith("true_divergence/") for entry in history for key in entry):
+        return None
+    sums = dict.fromkeys([*(f"{n}_mean" for n in _TRUE_DIVERGENCE_MEANS), *_TRUE_DIVERGENCE_SHARES], 0.0)
+    tokens = over_delta = caught = 0.0
+    steps = 0
+    for entry in history:
+        count = entry.get("true_divergence/recorded_tokens")
+        if not isinstance(count, (int, float)):
+            continue
+        count = float(count)
+        if count > 0:
+            steps += 1
+            tokens += count
+            for key in sums:
+                value = entry.get(f"true_divergence/{key}")
+                sums[key] += float(value) * count if isinstance(value, (int, float)) else 0.0
+            over = entry.get("true_divergence/over_delta_fraction")
+            over = float(over) * count if isinstance(over, (int, float)) else 0.0
+            over_delta += over
+            value = entry.get("true_divergence/caught_fraction")
+            caught += float(value) * over if isinstance(value, (int, float)) else 0.0
+    out: dict[str, float | None] = {"recorded_tokens": tokens, "steps": float(steps)}
+    out.update({key: total / tokens if tokens else None for key, total in sums.items()})
+    out["caught_fraction"] = caught / over_delta if over_delta else None
+    for kind in ("tv", "kl"):
+        true = out[f"{kind}_mean"]
+        for estimate in ("binary", "topk"):
+            value = out[f"{estimate}_{kind}_mean"]
+            out[f"{estimate}_{kind}_over_{kind}"] = value / true if true and value is not None else None
+    return out
+
+
+def _positive(history: LogHistory, key: str) -> tuple[list[float], list[float]]:
+    """`series` without the zeros, which a log axis cannot show."""
+    steps, values = series(history, key)
+    points = [(s, v) for s, v in zip(steps, values, strict=True) if v > 0]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot_true_divergence(history: LogHistory, path: Path) -> Path | None:
+    summary = true_divergence_summary(history)
+    if summary is None or not series(history, "true_divergence/tv_mean")[0]:
+        return None
+    fig, ((ax_tv, ax_kl), (ax_share, ax_caught)) = plt.subplots(2, 2, figsize=(14, 9))
+    for ax, kind, name in ((ax_tv, "tv", "TV"), (ax_kl, "kl", r"KL($\mu \| \pi$)")):
+        for label, key, color, style in (
+            ("true (whole vocabulary)", kind, "black", "-"),
+            ("top-K estimate", f"topk_{kind}", "tab:blue", "--"),
+            ("binary estimate", f"binary_{kind}", "tab:orange", ":"),
+        ):
+            steps, values = _positive(history, f"true_divergence/{key}_mean")
+            ratio = summary.get(f"{key}_over_{kind}") if key != kind else None
+            if ratio is not None:
+                label += f" ({ratio:.2f}x the true over the run)"
+            ax.plot(steps, values, style, color=color, marker=".", label=label)
+        ax.set_yscale("log")
+        ax.set(
+            title=f"{name} between sampler and trainer on the recorded tokens",
+            xlabel="optimizer step",
+            ylabel=f"mean {name} per token (log scale)",
+        )
+    for label, key, color in (
+        ("true divergence past delta (over_delta)", "over_delta_fraction", "black"),
+        ("kept by DPPO, blocked on the true divergence (missed_block)", "missed_block_fraction", "tab:red"),
+    ):
+        steps, values = series(history, f"true_divergence/{key}")
+        share = summary[key]
+        ax_share.plot(steps, values, color=color, marker=".", label=f"{label}: {share:.4f} over the run")
+    ax_share.set_ylim(bottom=0)
+    ax_share.set(
+        title="The trust region's rule on the true divergence",
+        xlabel="optimizer step",
+        ylabel="share of the recorded tokens",
+    )
+    steps, values = series(history, "true_divergence/caught_fraction")  # None where no token was past delta
+    caught = summary["caught_fraction"]
+    label = "steps with tokens past delta" + ("" if caught is None else f" ({caught:.2f} over the run)")
+    ax_caught.plot(steps, values, "o", color="tab:green", label=label)
+    ax_caught.set_ylim(-0.05, 1.05)
+    ax_caught.set(
+        title=f"Tokens past delta the estimate caught ({summary['recorded_tokens']:.0f} recorded tokens in all)",
+        xlabel="optimizer step",
+        ylabel="caught share",
+    )
+    for ax in (ax_tv, ax_kl, ax_share, ax_caught):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 # File name -> (plotting function, the metrics it needs, for the note when they are absent)
 PLOTS = {
     "reward.png": (plot_reward, "reward"),
     "masked_fraction.png": (plot_masked_fraction, "trust_region/masked_fraction*"),
     "mismatch.png": (plot_mismatch, "mismatch/abs_prob_diff_mean|max"),
     "tokens_by_mu.png": (plot_tokens_by_mu, "tokens_by_mu/<bucket>/total|masked|ppo_clipped"),
+    "true_divergence.png": (plot_true_divergence, "true_divergence/* (true_divergence_fraction > 0)"),
 }
 
 
