@@ -10,6 +10,8 @@ temperature: DPPO records mu_base = softmax(logits / T) beside the renormalised 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -25,6 +27,7 @@ def lr0_run(request, vlm_model_dir, tmp_path_factory):
         divergence=request.param,
         learning_rate=0.0,
         max_steps=1,
+        true_divergence_fraction=1.0 if request.param == "topk_tv" else 0.0,  # the top-K run also measures it
     )
     seen = spy_on_trust_region(trainer)
     trainer.train()
@@ -184,3 +187,25 @@ def test_vllm_gets_one_placeholder_per_image_and_must_expand_it_into_the_trainer
         generate([{"prompt_token_ids": expanded, "multi_modal_data": {"image": image}}], expand=False)
     with pytest.raises(RuntimeError, match="no expansion of its image's placeholder"):
         generate([{"prompt_token_ids": unexpanded, "multi_modal_data": {"image": image}}])
+
+
+def test_the_true_divergence_is_measured_with_the_image_and_sits_at_the_float_floor(lr0_run):
+    """With `true_divergence_fraction` (the top-K run), the recorded whole distributions are mu_base given the image
+    (the image token unsuppressed, as pi), so at learning rate 0 each token's TV to a forward pass with the batch's
+    pixels, and the logged means, sit at the two passes' float floor; off (the binary run), nothing is logged."""
+    trainer, seen, divergence = lr0_run
+    (entry,) = [e for e in trainer.state.log_history if "loss" in e]
+    if divergence != "topk_tv":
+        assert not any(name.startswith("true_divergence/") for name in entry)
+        return
+    _, _, mask, inputs = seen[0]
+    vocab_size = trainer.model.config.text_config.vocab_size
+    # Each log-probability down to -30 within the passes' atol d, so TV <= e^d - 1, plus the mass below e^-30
+    floor = math.expm1(vlm_logprob_atol(vocab_size, torch.tensor([30.0]))) + vocab_size * math.exp(-30)
+    pi = full_logps(trainer, inputs).exp().double()
+    for b, logps in enumerate(inputs["sampler_distributions"]):
+        kept = mask[b, : logps.size(0)]
+        tv = 0.5 * (logps[kept].double().exp() - pi[b, : logps.size(0)][kept]).abs().sum(-1)
+        assert tv.max() <= floor
+    assert entry["true_divergence/recorded_tokens"] == mask.sum()
+    assert 0 <= entry["true_divergence/binary_tv_mean"] <= entry["true_divergence/tv_mean"] <= floor
